@@ -1,0 +1,110 @@
+"""The flat view of a gradient pytree that every sparsifier works on.
+
+Leaves are taken in ``jax.tree.leaves`` order, flattened and concatenated with
+no gaps (as ``jax.flatten_util.ravel_pytree`` does), so element ``i`` of the
+flat vector is the same coordinate on every worker and in the reference
+implementation. Accumulation happens in float32 whatever the leaf dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ACCUMULATION_DTYPE = jnp.float32
+MAX_ELEMENTS = 2**31 - 1  # indices are int32
+
+
+class FlatLayout(NamedTuple):
+  """Static description of a pytree as one flat vector.
+
+  Attributes:
+    treedef: the tree structure.
+    shapes: shape of every leaf, in leaf order.
+    dtypes: dtype of every leaf, in leaf order.
+    num_elements: total number of elements ``N``.
+  """
+
+  treedef: Any
+  shapes: tuple[tuple[int, ...], ...]
+  dtypes: tuple[Any, ...]
+  num_elements: int
+
+  @property
+  def sizes(self) -> tuple[int, ...]:
+    return tuple(math.prod(shape) for shape in self.shapes)
+
+
+def layout_of(tree: Any, *, what: str = "params") -> FlatLayout:
+  """Describes ``tree`` as a flat vector, rejecting what cannot be sparsified.
+
+  Args:
+    tree: a pytree of arrays (concrete or traced).
+    what: how to call the tree in error messages.
+
+  Returns:
+    The tree's `FlatLayout`.
+
+  Raises:
+    TypeError: if a leaf is not a floating-point array.
+    ValueError: if the tree is empty or has ``2**31`` elements or more.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  if not leaves:
+    raise ValueError(f"The {what} tree has no array leaves; there is nothing to sparsify.")
+  shapes, dtypes = [], []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    dtype = jnp.result_type(leaf)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(
+          f"Leaf {jax.tree_util.keystr(path)} of the {what} tree has dtype {dtype}; "
+          "gradient sparsifiers need floating-point leaves. Differentiate only the "
+          "float parameters (e.g. filter integer state out with optax.masked or "
+          "keep it outside the optimized tree)."
+      )
+    shapes.append(tuple(np.shape(leaf)))
+    dtypes.append(dtype)
+  num_elements = sum(math.prod(shape) for shape in shapes)
+  if num_elements > MAX_ELEMENTS:
+    raise ValueError(
+        f"The {what} tree has {num_elements} elements; int32 indices limit a "
+        f"sparsifier to {MAX_ELEMENTS}. Split the model into several optimizer "
+        "groups (optax.multi_transform)."
+    )
+  return FlatLayout(treedef, tuple(shapes), tuple(dtypes), num_elements)
+
+
+def check_same_layout(expected: FlatLayout, got: FlatLayout, *, what: str) -> None:
+  """Raises a ValueError naming the difference between two layouts."""
+  if expected.treedef != got.treedef:
+    raise ValueError(
+        f"The {what} tree has structure {got.treedef}, but the optimizer state was "
+        f"initialized for {expected.treedef}. Call init() with the same tree you "
+        "pass to update()."
+    )
+  if expected.shapes != got.shapes:
+    raise ValueError(
+        f"The {what} leaf shapes {got.shapes} differ from the shapes the optimizer "
+        f"state was initialized for, {expected.shapes}. Call init() with the same "
+        "tree you pass to update()."
+    )
+
+
+def flatten(tree: Any) -> jax.Array:
+  """Concatenates the leaves of ``tree`` into one float32 vector."""
+  leaves = jax.tree.leaves(tree)
+  return jnp.concatenate([jnp.ravel(leaf).astype(ACCUMULATION_DTYPE) for leaf in leaves])
+
+
+def unflatten(flat: jax.Array, layout: FlatLayout) -> Any:
+  """Inverse of `flatten`: slices ``flat`` back into leaves of the layout's dtypes."""
+  leaves = []
+  offset = 0
+  for shape, dtype, size in zip(layout.shapes, layout.dtypes, layout.sizes):
+    leaves.append(flat[offset : offset + size].reshape(shape).astype(dtype))
+    offset += size
+  return jax.tree.unflatten(layout.treedef, leaves)

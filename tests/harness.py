@@ -1,0 +1,71 @@
+"""Runs a sparsifier over simulated workers: the way users call it, in tests.
+
+``run_vmap`` simulates ``n`` workers on one device with
+``jax.vmap(axis_name=...)``; ``run_shard_map`` and ``run_pmap`` use ``n`` real
+(forced CPU) devices. All take per-worker gradients stacked as
+``[n, steps, ...]`` leaves and return per-worker updates ``[n, steps, ...]``,
+the per-step states stacked the same way, and the final state.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+from jax import P
+
+AXIS = "data"
+
+
+def _scan_steps(tx, params):
+  """Per-worker function: init, then one update per step."""
+
+  def per_worker(grads):
+    state = tx.init(params)
+
+    def step(state, grads_t):
+      updates, state = tx.update(grads_t, state, params)
+      return state, (updates, state)
+
+    final, (updates, states) = jax.lax.scan(step, state, grads)
+    return updates, states, final
+
+  return per_worker
+
+
+def num_workers_of(grads) -> int:
+  return jax.tree.leaves(grads)[0].shape[0]
+
+
+def run_vmap(tx: optax.GradientTransformation, params, grads):
+  n = num_workers_of(grads)
+  return jax.jit(jax.vmap(_scan_steps(tx, params), axis_name=AXIS, axis_size=n))(grads)
+
+
+def run_pmap(tx: optax.GradientTransformation, params, grads):
+  return jax.pmap(_scan_steps(tx, params), axis_name=AXIS)(grads)
+
+
+def mesh_of(n: int) -> jax.sharding.Mesh:
+  return jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
+
+
+def run_shard_map(tx: optax.GradientTransformation, params, grads, *, check_vma: bool = False):
+  """Each device gets one worker's gradients; outputs keep a leading worker axis."""
+  n = num_workers_of(grads)
+  per_worker = _scan_steps(tx, params)
+
+  def body(grads):
+    squeezed = jax.tree.map(lambda g: g[0], grads)
+    if check_vma:
+      # In-spec'd inputs are varying; nothing else to do.
+      pass
+    out = per_worker(squeezed)
+    return jax.tree.map(lambda x: x[None], out)
+
+  fn = jax.shard_map(body, mesh=mesh_of(n), in_specs=P(AXIS), out_specs=P(AXIS), check_vma=check_vma)
+  return jax.jit(fn)(grads)
+
+
+def to_numpy(tree):
+  return jax.tree.map(np.asarray, tree)
