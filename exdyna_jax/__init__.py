@@ -1,16 +1,37 @@
 """Communication-efficient data-parallel training in JAX: ExDyna and peers."""
 
+from exdyna_jax._cltk import cltk
+from exdyna_jax._dense import DenseState, dense
 from exdyna_jax._exdyna import exdyna
+from exdyna_jax._feedback import ErrorFeedbackState
+from exdyna_jax._hard_threshold import hard_threshold
+from exdyna_jax._micro import micro
 from exdyna_jax._partitioned import PartitionedState
+from exdyna_jax._registry import available_sparsifiers, get_sparsifier
+from exdyna_jax._sharding import DataParallel, data_parallel
+from exdyna_jax._spardl import SparDLRounds, SparDLState, spardl
 from exdyna_jax._stats import SparsifierStats, get_stats
-from exdyna_jax._threshold import ControllerState
+from exdyna_jax._topk import topk
 
 __all__ = [
-    "ControllerState",
+    "DataParallel",
+    "DenseState",
+    "ErrorFeedbackState",
     "PartitionedState",
+    "SparDLRounds",
+    "SparDLState",
     "SparsifierStats",
+    "available_sparsifiers",
+    "cltk",
+    "data_parallel",
+    "dense",
     "exdyna",
+    "get_sparsifier",
     "get_stats",
+    "hard_threshold",
+    "micro",
+    "spardl",
+    "topk",
 ]
 
 __version__ = "0.1.0"

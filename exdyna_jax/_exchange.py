@@ -3,7 +3,7 @@
 Each worker packs the indices it chose into a buffer of static capacity ``C``
 (unused slots hold the sentinel ``N``, which every later step ignores). One
 ``all_gather`` moves the ``[n, C]`` index buffers, with any small integer side
-information (counts, probe counts) appended to them; every worker reads its
+information (such as counts) appended to them; every worker reads its
 own accumulated gradient at all gathered indices, the values are summed with
 one ``psum``, and the mean is written with a scatter that drops the sentinel.
 Every worker then clears its residual at every transmitted index.
@@ -14,6 +14,7 @@ index carry the same summed value.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -44,6 +45,13 @@ def _is_manual(axis_name: str) -> bool:
   return axis_name in jax.sharding.get_abstract_mesh().manual_axes
 
 
+def _tracks_varying(axis_name: str) -> bool:
+  """True under ``shard_map(check_vma=True)``, whose types say what varies."""
+  if not _is_manual(axis_name):
+    return False
+  return axis_name in jax.typeof(jax.lax.axis_index(axis_name)).manual_axis_type.varying
+
+
 def check_local(grads, axis_name: str) -> None:
   """Rejects gradients that are already reduced over ``axis_name``.
 
@@ -52,10 +60,7 @@ def check_local(grads, axis_name: str) -> None:
   axis: sparsifying it would compress summed gradients after the dense traffic
   was paid. The varying-axes type tells them apart.
   """
-  if not _is_manual(axis_name):
-    return
-  tracks_varying = axis_name in jax.typeof(jax.lax.axis_index(axis_name)).manual_axis_type.varying
-  if not tracks_varying:
+  if not _tracks_varying(axis_name):
     return
   for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
     if axis_name not in jax.typeof(leaf).manual_axis_type.varying:
@@ -68,14 +73,88 @@ def check_local(grads, axis_name: str) -> None:
       )
 
 
+def per_worker(x: jax.Array, axis_name: str) -> jax.Array:
+  """Marks ``x`` as varying over ``axis_name`` where the context tracks it.
+
+  A residual starts as zeros (invariant) but becomes each worker's own after
+  the first step; inside ``jax.shard_map(check_vma=True)`` a ``lax.scan`` or
+  ``fori_loop`` over steps needs the carry's type to stay the same.
+  """
+  if not _tracks_varying(axis_name):
+    return x
+  return jax.lax.pcast(x, axis_name, to="varying")
+
+
+FIELD_BITS = 6  # a row of 32 elements has at most 32 passing: 6 bits
+FIELDS_PER_WORD = 5  # 5 x 6 bits fit an int32
+
+
+def row_counts(passes: list[jax.Array]) -> jax.Array:
+  """Counts, per row of 32 elements, how many elements pass each predicate.
+
+  All predicates are counted in one pass over the vector: up to five 6-bit
+  counts are packed into one int32 per element before the row sums, so the
+  vector is read once however many thresholds are probed.
+
+  Args:
+    passes: ``L`` bool ``[N]`` predicates.
+
+  Returns:
+    int32 ``[ceil(N / 32), L]`` per-row counts.
+  """
+  num_elements = passes[0].shape[0]
+  full_rows = num_elements // ROW
+  columns = []
+  for first in range(0, len(passes), FIELDS_PER_WORD):
+    group = passes[first : first + FIELDS_PER_WORD]
+    packed = sum(
+        p.astype(jnp.int32) << (FIELD_BITS * j) for j, p in enumerate(group)
+    )
+    sums = jnp.sum(packed[: full_rows * ROW].reshape(full_rows, ROW), axis=1)
+    if full_rows * ROW < num_elements:
+      sums = jnp.concatenate([sums, jnp.sum(packed[full_rows * ROW :])[None]])
+    columns.extend((sums >> (FIELD_BITS * j)) & ((1 << FIELD_BITS) - 1) for j in range(len(group)))
+  return jnp.stack(columns, axis=1)
+
+
+def compact_rows(
+    counts_per_row: jax.Array,
+    is_set: Callable[[jax.Array], jax.Array],
+    capacity: int,
+    num_elements: int,
+) -> jax.Array:
+  """Indices of the first ``capacity`` set elements, from per-row counts.
+
+  The first ``capacity`` non-empty rows are found with a prefix sum over the
+  ``N / 32`` row counts only; the ``capacity x 32`` elements of those rows are
+  then compacted. The first ``capacity`` set elements always lie in the first
+  ``capacity`` non-empty rows.
+
+  Args:
+    counts_per_row: int32 ``[ceil(N / 32)]`` set elements per row.
+    is_set: maps int32 element indices (any shape, all ``< N``) to whether
+      they are set.
+    capacity: static number of slots ``C``.
+    num_elements: ``N``, also the sentinel.
+
+  Returns:
+    int32 ``[C]`` ascending indices, padded with the sentinel ``N``.
+  """
+  num_rows = counts_per_row.shape[0]
+  (row_ids,) = jnp.nonzero(counts_per_row > 0, size=min(capacity, num_rows), fill_value=num_rows)
+  element_ids = row_ids[:, None] * ROW + jnp.arange(ROW, dtype=jnp.int32)
+  valid = element_ids < num_elements
+  picked = valid & is_set(jnp.where(valid, element_ids, 0))
+  per_row = jnp.sum(picked, axis=1, dtype=jnp.int32)
+  row_offsets = jnp.cumsum(per_row) - per_row
+  rank_in_row = jnp.cumsum(picked, axis=1, dtype=jnp.int32) - 1
+  slots = jnp.where(picked, row_offsets[:, None] + rank_in_row, capacity)
+  indices = jnp.full((capacity,), num_elements, jnp.int32)
+  return indices.at[slots.reshape(-1)].set(element_ids.reshape(-1), mode="drop")
+
+
 def compact(mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
   """Indices of the first ``capacity`` set positions of ``mask``, in order.
-
-  Two levels keep the prefix sums small: rows of 32 elements are counted, the
-  first ``capacity`` non-empty rows found (a prefix sum over ``N / 32`` row
-  flags), and only those ``capacity x 32`` elements compacted. The first
-  ``capacity`` set positions always lie in the first ``capacity`` non-empty
-  rows.
 
   Args:
     mask: bool ``[N]``.
@@ -86,22 +165,9 @@ def compact(mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
     sentinel ``N``; and the int32 number of set positions (which may exceed
     ``C``).
   """
-  num_elements = mask.shape[0]
-  num_rows = -(-num_elements // ROW)
-  rows = jnp.pad(mask, (0, num_rows * ROW - num_elements)).reshape(num_rows, ROW)
-  row_counts = jnp.sum(rows, axis=1, dtype=jnp.int32)
-  count = jnp.sum(row_counts)
-  num_picked = min(capacity, num_rows)
-  (row_ids,) = jnp.nonzero(row_counts > 0, size=num_picked, fill_value=num_rows)
-  picked = rows.at[row_ids].get(mode="fill", fill_value=False)
-  per_row = jnp.sum(picked, axis=1, dtype=jnp.int32)
-  row_offsets = jnp.cumsum(per_row) - per_row
-  rank_in_row = jnp.cumsum(picked, axis=1, dtype=jnp.int32) - 1
-  slots = jnp.where(picked, row_offsets[:, None] + rank_in_row, capacity)
-  element_ids = row_ids[:, None] * ROW + jnp.arange(ROW, dtype=jnp.int32)
-  indices = jnp.full((capacity,), num_elements, jnp.int32)
-  indices = indices.at[slots.reshape(-1)].set(element_ids.reshape(-1), mode="drop")
-  return indices, count
+  counts = row_counts([mask])[:, 0]
+  indices = compact_rows(counts, lambda ids: mask[ids], capacity, mask.shape[0])
+  return indices, jnp.sum(counts)
 
 
 class Selection(NamedTuple):
@@ -113,13 +179,39 @@ class Selection(NamedTuple):
       capacity).
     sent: int32 ``|I_w|`` as the reference counts it: ``passed``, or 1 when
       the fallback index was sent.
-    probe_counts: int32 ``[P]`` elements passing each probe threshold.
   """
 
   indices: jax.Array
   passed: jax.Array
   sent: jax.Array
-  probe_counts: jax.Array
+
+
+def _passes(accumulated, begin, end, threshold):
+  """``ids -> begin <= ids < end and |a[ids]| >= threshold``."""
+
+  def passes(ids):
+    return (ids >= begin) & (ids < end) & (jnp.abs(accumulated[ids]) >= threshold)
+
+  return passes
+
+
+def count_in_window(
+    accumulated: jax.Array, begin: jax.Array, end: jax.Array, thresholds: jax.Array
+) -> jax.Array:
+  """Elements of ``[begin, end)`` passing each threshold, in one pass.
+
+  Args:
+    accumulated: float32 ``[N]``.
+    begin: int32 first index of the window.
+    end: int32 one past the last index of the window.
+    thresholds: float32 ``[P]`` (``P`` static).
+
+  Returns:
+    int32 ``[P]`` counts.
+  """
+  positions = jnp.arange(accumulated.shape[0], dtype=jnp.int32)
+  passes = [_passes(accumulated, begin, end, t)(positions) for t in thresholds]
+  return jnp.sum(row_counts(passes), axis=0)
 
 
 def select_window(
@@ -129,10 +221,13 @@ def select_window(
     end: jax.Array,
     *,
     capacity: int,
-    probe_ratios: tuple[float, ...] = (),
     fallback_offset: jax.Array | None = None,
 ) -> Selection:
   """Selects ``|a| >= threshold`` inside ``[begin, end)``.
+
+  One pass over the vector counts the passing elements per row of 32; the
+  prefix sums and the compaction then work on row counts and on the few
+  non-empty rows only.
 
   Args:
     accumulated: float32 ``[N]`` accumulated gradient of this worker.
@@ -140,7 +235,6 @@ def select_window(
     begin: int32 first index of the window.
     end: int32 one past the last index of the window.
     capacity: static buffer size ``C``.
-    probe_ratios: static multipliers of ``threshold`` to count as well.
     fallback_offset: if given and nothing passes, index
       ``begin + fallback_offset mod (end - begin)`` is sent alone (so every
       worker always sends something, as the reference does).
@@ -148,21 +242,18 @@ def select_window(
   Returns:
     The `Selection`.
   """
-  positions = jnp.arange(accumulated.shape[0], dtype=jnp.int32)
-  in_window = (positions >= begin) & (positions < end)
-  magnitude = jnp.abs(accumulated)
-  mask = in_window & (magnitude >= threshold)
-  indices, passed = compact(mask, capacity)
-  probe_counts = jnp.stack(
-      [jnp.sum(in_window & (magnitude >= threshold * ratio), dtype=jnp.int32) for ratio in probe_ratios]
-  ) if probe_ratios else jnp.zeros((0,), jnp.int32)
+  num_elements = accumulated.shape[0]
+  passes = _passes(accumulated, begin, end, threshold)
+  counts = row_counts([passes(jnp.arange(num_elements, dtype=jnp.int32))])[:, 0]
+  passed = jnp.sum(counts)
+  indices = compact_rows(counts, passes, capacity, num_elements)
   sent = passed
   if fallback_offset is not None:
     nothing = passed == 0
     fallback = begin + fallback_offset % (end - begin)
     indices = indices.at[0].set(jnp.where(nothing, fallback, indices[0]))
     sent = jnp.where(nothing, 1, passed)
-  return Selection(indices, passed, sent, probe_counts)
+  return Selection(indices, passed, sent)
 
 
 class Exchanged(NamedTuple):
@@ -183,10 +274,63 @@ class Exchanged(NamedTuple):
   gathered_info: jax.Array
 
 
+def gather_indices(
+    indices: jax.Array, side_info: jax.Array, axis_name: str
+) -> tuple[jax.Array, jax.Array]:
+  """All-gathers every worker's index buffer with its side information.
+
+  One ``all_gather`` moves both: the side information is appended to the
+  index buffer.
+
+  Args:
+    indices: int32 ``[C]`` this worker's chosen indices, sentinel ``N``.
+    side_info: int32 ``[S]`` small per-worker integers every worker needs.
+    axis_name: the data-parallel axis.
+
+  Returns:
+    ``(gathered_indices, gathered_info)``: int32 ``[n, C]`` and ``[n, S]``,
+    row ``w`` from worker ``w``.
+  """
+  capacity = indices.shape[0]
+  payload = jnp.concatenate([indices, side_info.astype(jnp.int32)])
+  if _is_manual(axis_name):
+    gathered = jax.lax.all_gather(payload, axis_name, to="invarying")
+  else:  # vmap(axis_name=...) has no invariant all_gather
+    gathered = jax.lax.all_gather(payload, axis_name)
+  return gathered[:, :capacity], gathered[:, capacity:]
+
+
+def aggregate_at(
+    accumulated: jax.Array, indices: jax.Array, axis_name: str
+) -> tuple[jax.Array, jax.Array]:
+  """Mean of all workers' accumulated gradients at ``indices``; clears them.
+
+  Args:
+    accumulated: float32 ``[N]`` this worker's accumulated gradient.
+    indices: int32 array of any shape, the same on every worker; the sentinel
+      ``N`` is ignored and duplicates are harmless.
+    axis_name: the data-parallel axis.
+
+  Returns:
+    ``(update, residual)``: float32 ``[N]`` mean at ``indices`` and zero
+    elsewhere (identical on every worker); and ``accumulated`` with every
+    index in ``indices`` cleared.
+  """
+  num_workers = axis_size(axis_name)
+  flat_indices = indices.reshape(-1)
+  values = accumulated.at[flat_indices].get(mode="fill", fill_value=0)
+  mean = jax.lax.psum(values, axis_name) / num_workers
+  update = jnp.zeros(accumulated.shape, accumulated.dtype).at[flat_indices].set(mean, mode="drop")
+  residual = accumulated.at[flat_indices].set(0, mode="drop")
+  return update, residual
+
+
 def exchange(
     accumulated: jax.Array, indices: jax.Array, side_info: jax.Array, axis_name: str
 ) -> Exchanged:
   """All-gathers index buffers (and side information), sums values, scatters.
+
+  `gather_indices` followed by `aggregate_at` over the gathered indices.
 
   Args:
     accumulated: float32 ``[N]`` this worker's accumulated gradient.
@@ -197,20 +341,56 @@ def exchange(
   Returns:
     The `Exchanged` result.
   """
-  num_workers = axis_size(axis_name)
-  capacity = indices.shape[0]
-  payload = jnp.concatenate([indices, side_info.astype(jnp.int32)])
-  if _is_manual(axis_name):
-    gathered = jax.lax.all_gather(payload, axis_name, to="invarying")
-  else:  # vmap(axis_name=...) has no invariant all_gather
-    gathered = jax.lax.all_gather(payload, axis_name)
-  gathered_indices = gathered[:, :capacity]
-  flat_indices = gathered_indices.reshape(-1)
-  values = accumulated.at[flat_indices].get(mode="fill", fill_value=0)
-  mean = jax.lax.psum(values, axis_name) / num_workers
-  update = jnp.zeros(accumulated.shape, accumulated.dtype).at[flat_indices].set(mean, mode="drop")
-  residual = accumulated.at[flat_indices].set(0, mode="drop")
-  return Exchanged(update, residual, gathered_indices, gathered[:, capacity:])
+  gathered_indices, gathered_info = gather_indices(indices, side_info, axis_name)
+  update, residual = aggregate_at(accumulated, gathered_indices, axis_name)
+  return Exchanged(update, residual, gathered_indices, gathered_info)
+
+
+def broadcast_from(x: jax.Array, source: jax.Array, axis_name: str) -> jax.Array:
+  """Worker ``source``'s ``x`` on every worker, as one integer ``psum``.
+
+  Every other worker contributes zeros. A ring all-reduce of ``M`` bytes
+  sends ``2 (n-1) / n M`` per worker, less than the ``(n-1) M`` of gathering
+  every worker's copy to keep one.
+
+  Args:
+    x: int32 array (integers add exactly).
+    source: int32 scalar rank of the worker whose ``x`` is kept.
+    axis_name: the data-parallel axis.
+
+  Returns:
+    ``x`` of worker ``source``, identical on every worker.
+  """
+  mine = jax.lax.axis_index(axis_name) == source
+  return jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis_name)
+
+
+def distinct_count(indices: jax.Array, num_elements: int) -> jax.Array:
+  """Number of distinct indices below ``num_elements`` (the sentinel is ignored).
+
+  Sorts the ``M`` indices instead of marking an ``[N]`` vector, so it costs
+  ``O(M log M)``, independent of ``N``.
+
+  Args:
+    indices: int32 array of any shape, e.g. gathered ``[n, C]`` buffers.
+    num_elements: ``N``, the sentinel.
+
+  Returns:
+    int32 scalar: the size of ``unique(indices)`` without the sentinel.
+  """
+  ordered = jnp.sort(indices.reshape(-1))
+  first = jnp.concatenate([jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
+  return jnp.sum(first & (ordered < num_elements), dtype=jnp.int32)
+
+
+def ring_all_gather_bytes(num_workers: int, message_bytes: int) -> int:
+  """Bytes one worker sends in a ring all-gather of ``M`` bytes per worker: ``(n-1) M``."""
+  return (num_workers - 1) * message_bytes
+
+
+def ring_all_reduce_bytes(num_workers: int, message_bytes: int) -> int:
+  """Bytes one worker sends in a ring all-reduce of ``M`` bytes: ``2 (n-1) / n M``."""
+  return 2 * (num_workers - 1) * message_bytes // num_workers
 
 
 def exchange_bytes(num_workers: int, capacity: int, side_info: int) -> int:
@@ -220,6 +400,31 @@ def exchange_bytes(num_workers: int, capacity: int, side_info: int) -> int:
   all-reduce of ``M`` bytes sends ``2 (n-1) / n M``. The values all-reduced are
   ``n C`` floats.
   """
-  gather = (num_workers - 1) * (capacity + side_info) * INDEX_BYTES
-  reduce = 2 * (num_workers - 1) * capacity * VALUE_BYTES
+  gather = ring_all_gather_bytes(num_workers, (capacity + side_info) * INDEX_BYTES)
+  reduce = ring_all_reduce_bytes(num_workers, num_workers * capacity * VALUE_BYTES)
   return gather + reduce
+
+
+def select_top_k(accumulated: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """Exact top-``k`` of ``|accumulated|`` (ties towards the lower index).
+
+  Args:
+    accumulated: float32 ``[N]`` accumulated gradient of this worker.
+    k: static number of indices.
+
+  Returns:
+    ``(indices, kth)``: int32 ``[k]`` indices of the ``k`` largest magnitudes,
+    largest first; and the float32 ``k``-th largest magnitude.
+  """
+  magnitudes, indices = jax.lax.top_k(jnp.abs(accumulated), k)
+  return indices.astype(jnp.int32), magnitudes[k - 1]
+
+
+def float_bits(x: jax.Array) -> jax.Array:
+  """The bits of a float32 as an int32, to ride on an integer collective."""
+  return jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
+
+
+def bits_float(x: jax.Array) -> jax.Array:
+  """Inverse of `float_bits`. On non-negative floats both orders agree."""
+  return jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.int32), jnp.float32)

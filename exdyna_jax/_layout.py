@@ -94,6 +94,34 @@ def check_same_layout(expected: FlatLayout, got: FlatLayout, *, what: str) -> No
     )
 
 
+def gradient_layout(updates: Any, params: Any, num_elements: int | None) -> FlatLayout:
+  """Layout of the gradient passed to ``update()``, checked against the state.
+
+  Args:
+    updates: the gradient tree.
+    params: the params tree passed to ``update()``, or None.
+    num_elements: ``N`` the optimizer state was initialized for, or None when
+      the state does not record it.
+
+  Returns:
+    The gradient's `FlatLayout`.
+
+  Raises:
+    ValueError: if the gradient and params layouts differ, or the gradient
+      does not have the state's number of elements.
+  """
+  layout = layout_of(updates, what="gradient")
+  if params is not None:
+    check_same_layout(layout_of(params, what="params"), layout, what="gradient")
+  if num_elements is not None and num_elements != layout.num_elements:
+    raise ValueError(
+        f"The gradient has {layout.num_elements} elements but the optimizer state "
+        f"was initialized for {num_elements}. Call init() with the same tree you "
+        "pass to update()."
+    )
+  return layout
+
+
 def flatten(tree: Any) -> jax.Array:
   """Concatenates the leaves of ``tree`` into one float32 vector."""
   leaves = jax.tree.leaves(tree)
@@ -104,7 +132,7 @@ def unflatten(flat: jax.Array, layout: FlatLayout) -> Any:
   """Inverse of `flatten`: slices ``flat`` back into leaves of the layout's dtypes."""
   leaves = []
   offset = 0
-  for shape, dtype, size in zip(layout.shapes, layout.dtypes, layout.sizes):
+  for shape, dtype, size in zip(layout.shapes, layout.dtypes, layout.sizes, strict=True):
     leaves.append(flat[offset : offset + size].reshape(shape).astype(dtype))
     offset += size
   return jax.tree.unflatten(layout.treedef, leaves)

@@ -43,3 +43,22 @@ def target_count(density: float, num_elements: int) -> int:
 def capacity(capacity_factor: float, target: int, num_workers: int, num_elements: int) -> int:
   """Per-worker buffer slots ``C = ceil(capacity_factor * k / n)``, in ``[1, N]``."""
   return max(1, min(num_elements, math.ceil(capacity_factor * target / num_workers)))
+
+
+def check_threshold(threshold: float) -> float:
+  """Returns ``threshold`` as a float, or raises if it is not positive and finite."""
+  if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+    raise TypeError(f"threshold must be a positive number, got {threshold!r}.")
+  if not 0.0 < threshold < math.inf:
+    raise ValueError(
+        f"threshold must be positive and finite (elements with |a| >= threshold "
+        f"are sent), got {threshold!r}."
+    )
+  return float(threshold)
+
+
+def check_capacity(capacity: int) -> int:
+  """Returns ``capacity`` (index slots per worker), or raises if not a positive int."""
+  if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+    raise ValueError(f"capacity must be a positive int (index slots per worker), got {capacity!r}.")
+  return capacity

@@ -81,6 +81,37 @@ def block_geometry(num_elements: int, num_blocks: int, num_workers: int) -> Bloc
   )
 
 
+def element_geometry(num_elements: int, num_workers: int) -> BlockGeometry:
+  """One block per element: partitions measured in elements (MiCRO).
+
+  With ``block_size = 1``, ``num_blocks = N`` and no remainder, `initial_sizes`
+  gives ``floor(N / n)`` elements per partition, one more for the first
+  ``N mod n``, and `element_range` reads sizes and starts as element counts.
+
+  Args:
+    num_elements: number of gradient elements ``N``.
+    num_workers: number of workers ``n`` on the data-parallel axis.
+
+  Returns:
+    The `BlockGeometry`.
+
+  Raises:
+    ValueError: if ``N < n`` (a partition would be empty).
+  """
+  if num_elements < num_workers:
+    raise ValueError(
+        f"The model has {num_elements} elements, fewer than the {num_workers} workers: "
+        "every worker's partition needs at least one element."
+    )
+  return BlockGeometry(
+      num_elements=num_elements,
+      num_blocks=num_elements,
+      block_size=1,
+      remainder=0,
+      num_workers=num_workers,
+  )
+
+
 def initial_sizes(num_blocks: int, num_workers: int) -> jax.Array:
   """``floor(B / n)`` blocks per partition, one more for the first ``B mod n``."""
   quotient, extra = divmod(num_blocks, num_workers)

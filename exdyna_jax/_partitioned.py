@@ -10,7 +10,8 @@ elements for MiCRO) and in whether partitions are rebalanced every step.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,13 +26,11 @@ class PartitionedState(NamedTuple):
   Attributes:
     residual: float32 ``[N]`` error-feedback memory of this worker: what it
       accumulated and has not yet had transmitted.
-    controller: memory of the threshold controller.
     stats: `SparsifierStats` of the last step; also the partition sizes and
       workloads the next step rebalances from.
   """
 
   residual: jax.Array
-  controller: _threshold.ControllerState
   stats: _stats.SparsifierStats
 
 
@@ -80,8 +79,9 @@ def partitioned_sparsifier(
     config = setup(params, "params")
     sizes = _partition.initial_sizes(config.geometry.num_blocks, config.geometry.num_workers)
     return PartitionedState(
-        residual=jnp.zeros((config.layout.num_elements,), _layout.ACCUMULATION_DTYPE),
-        controller=threshold_controller.init(),
+        residual=_exchange.per_worker(
+            jnp.zeros((config.layout.num_elements,), _layout.ACCUMULATION_DTYPE), axis_name
+        ),
         stats=_stats.initial_stats(
             threshold_controller.initial_threshold(config.target),
             _partition.starts_of(sizes),
@@ -109,35 +109,30 @@ def partitioned_sparsifier(
     step = stats.step
     first = step == 0
 
-    # Controls for this step, from the previous step's global counts.
-    threshold, controller_state = threshold_controller.next_threshold(
-        stats.threshold, state.controller, stats.selected, config.target
-    )
-    threshold = jnp.where(first, stats.threshold, threshold)
-    controller_state = jax.tree.map(
-        lambda old, new: jnp.where(first, old, new), state.controller, controller_state
-    )
+    # Partitions for this step, from the previous step's workloads.
     sizes = stats.partition_sizes
     if rebalance:
       sizes = jnp.where(first, sizes, _partition.adjust(geometry, sizes, stats.workloads))
     starts = _partition.starts_of(sizes)
-
-    # Exclusive selection in the owned partition, then the shared exchange.
     worker = jax.lax.axis_index(axis_name)
     partition = _partition.owned_partition(step, worker, num_workers)
     begin, end = _partition.element_range(geometry, starts, sizes, partition)
     accumulated = _layout.flatten(updates) + state.residual
-    selection = _exchange.select_window(
-        accumulated,
-        threshold,
-        begin,
-        end,
-        capacity=config.capacity,
-        probe_ratios=threshold_controller.probe_ratios,
-        fallback_offset=step,
+
+    # One global threshold, then exclusive selection and the shared exchange.
+    def measure(thresholds):
+      local = _exchange.count_in_window(accumulated, begin, end, thresholds)
+      return jax.lax.psum(local, axis_name)
+
+    threshold = threshold_controller.choose(
+        stats.threshold, stats.selected, config.target, step, measure
     )
-    side_info = jnp.concatenate([selection.sent[None], selection.probe_counts])
-    exchanged = _exchange.exchange(accumulated, selection.indices, side_info, axis_name)
+    selection = _exchange.select_window(
+        accumulated, threshold, begin, end, capacity=config.capacity, fallback_offset=step
+    )
+    exchanged = _exchange.exchange(
+        accumulated, selection.indices, selection.sent[None], axis_name
+    )
 
     sent = exchanged.gathered_info[:, 0]
     selected = jnp.sum(sent)
@@ -153,17 +148,9 @@ def partitioned_sparsifier(
         imbalance=_stats.imbalance_of(workloads),
         partition_starts=starts,
         partition_sizes=sizes,
-        bytes_sent=jnp.int32(
-            _exchange.exchange_bytes(num_workers, config.capacity, side_info.shape[0])
-        ),
+        bytes_sent=jnp.int32(_exchange.exchange_bytes(num_workers, config.capacity, 1)),
     )
-    new_state = PartitionedState(
-        residual=exchanged.residual,
-        controller=controller_state._replace(
-            probe_counts=jnp.sum(exchanged.gathered_info[:, 1:], axis=0)
-        ),
-        stats=new_stats,
-    )
+    new_state = PartitionedState(residual=exchanged.residual, stats=new_stats)
     return _layout.unflatten(exchanged.update, config.layout), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

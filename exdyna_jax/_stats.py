@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+INT32_MAX = 2**31 - 1
+
 
 class SparsifierStats(NamedTuple):
   """What the last step did, identical on every worker.
@@ -23,13 +25,16 @@ class SparsifierStats(NamedTuple):
     selected: int32 ``K``, elements selected by all workers together before
       the capacity limit (the controller's and the rebalancer's input).
     transmitted: int32 distinct indices actually exchanged.
-    overflow: int32 ``selected - transmitted``: elements that passed but did
-      not fit the static buffers; they stay in the residual.
+    overflow: int32 elements that passed but did not fit the static buffers;
+      they stay in the residual. Equals ``selected - transmitted`` where the
+      workers' selections are disjoint (ExDyna, MiCRO).
     workloads: int32 ``[n]`` elements selected in each partition (or by each
       worker, for methods without partitions).
     imbalance: float32 ``max(workloads) / mean(workloads)``.
-    partition_starts: int32 ``[n]`` first block of each partition.
-    partition_sizes: int32 ``[n]`` blocks in each partition.
+    partition_starts: int32 ``[n]`` first block of each partition (0 for
+      methods without partitions).
+    partition_sizes: int32 ``[n]`` blocks in each partition (``N`` elements
+      for methods without partitions: every worker scans the whole vector).
     bytes_sent: int32 bytes this worker sent in the last step's collectives,
       as ring algorithms move them (static: the buffers have fixed size).
   """
@@ -63,6 +68,60 @@ def initial_stats(
       partition_starts=jnp.asarray(partition_starts, jnp.int32),
       partition_sizes=jnp.asarray(partition_sizes, jnp.int32),
       bytes_sent=zero,
+  )
+
+
+def whole_vector(num_workers: int, num_elements: int) -> tuple[jax.Array, jax.Array]:
+  """Partition starts and sizes of a method without partitions: all of ``N`` each."""
+  return (
+      jnp.zeros((num_workers,), jnp.int32),
+      jnp.full((num_workers,), num_elements, jnp.int32),
+  )
+
+
+def static_bytes(num_bytes: int) -> jax.Array:
+  """A static byte count as int32, saturating at ``2**31 - 1``."""
+  return jnp.int32(min(num_bytes, INT32_MAX))
+
+
+def unpartitioned_stats(
+    *,
+    step: jax.Array,
+    threshold: jax.Array,
+    selected: jax.Array,
+    transmitted: jax.Array,
+    overflow: jax.Array,
+    workloads: jax.Array,
+    num_elements: int,
+    bytes_sent: int,
+) -> SparsifierStats:
+  """Statistics of a step of a method without partitions.
+
+  Args:
+    step: int32 number of completed steps, this one included.
+    threshold: float32 threshold used (or the effective one).
+    selected: int32 elements selected by all workers together.
+    transmitted: int32 distinct indices exchanged.
+    overflow: int32 elements that passed but did not fit the buffers.
+    workloads: int32 ``[n]`` elements selected by each worker.
+    num_elements: ``N``.
+    bytes_sent: static bytes one worker sent (saturates at ``2**31 - 1``).
+
+  Returns:
+    The `SparsifierStats`, with `whole_vector` partitions.
+  """
+  starts, sizes = whole_vector(workloads.shape[0], num_elements)
+  return SparsifierStats(
+      step=step,
+      threshold=jnp.asarray(threshold, jnp.float32),
+      selected=selected,
+      transmitted=transmitted,
+      overflow=overflow,
+      workloads=workloads,
+      imbalance=imbalance_of(workloads),
+      partition_starts=starts,
+      partition_sizes=sizes,
+      bytes_sent=static_bytes(bytes_sent),
   )
 
 

@@ -47,7 +47,9 @@ def run_pmap(tx: optax.GradientTransformation, params, grads):
 
 
 def mesh_of(n: int) -> jax.sharding.Mesh:
-  return jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
+  return jax.make_mesh(
+      (n,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n]
+  )
 
 
 def run_shard_map(tx: optax.GradientTransformation, params, grads, *, check_vma: bool = False):
@@ -56,14 +58,12 @@ def run_shard_map(tx: optax.GradientTransformation, params, grads, *, check_vma:
   per_worker = _scan_steps(tx, params)
 
   def body(grads):
-    squeezed = jax.tree.map(lambda g: g[0], grads)
-    if check_vma:
-      # In-spec'd inputs are varying; nothing else to do.
-      pass
-    out = per_worker(squeezed)
+    out = per_worker(jax.tree.map(lambda g: g[0], grads))
     return jax.tree.map(lambda x: x[None], out)
 
-  fn = jax.shard_map(body, mesh=mesh_of(n), in_specs=P(AXIS), out_specs=P(AXIS), check_vma=check_vma)
+  fn = jax.shard_map(
+      body, mesh=mesh_of(n), in_specs=P(AXIS), out_specs=P(AXIS), check_vma=check_vma
+  )
   return jax.jit(fn)(grads)
 
 

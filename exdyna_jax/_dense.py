@@ -1,0 +1,75 @@
+"""Dense data parallelism: the mean all-reduce the sparsifiers are measured against."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from exdyna_jax import _exchange, _layout, _stats
+
+
+class DenseState(NamedTuple):
+  """Optimizer state of `dense` (per worker; no residual: nothing is held back).
+
+  Attributes:
+    stats: `SparsifierStats` of the last step.
+  """
+
+  stats: _stats.SparsifierStats
+
+
+def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
+  """The plain mean all-reduce, with the sparsifiers' interface and stats.
+
+  ``update`` returns ``psum(grads) / n`` (computed in float32, returned in
+  each leaf's dtype), identical on every worker. The stats report all ``N``
+  elements as selected and transmitted by every worker, a threshold of 0, and
+  the bytes of a ring all-reduce of ``N`` float32 values.
+
+  The calling convention is that of `exdyna`: ``init`` and ``update`` run per
+  worker inside ``jax.shard_map``, ``jax.pmap`` or ``jax.vmap(axis_name=)``,
+  on the worker's local, unreduced gradient, first in an ``optax.chain``.
+
+  Args:
+    axis_name: name of the data-parallel axis.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    `DenseState`.
+  """
+
+  def init_fn(params: Any) -> DenseState:
+    layout = _layout.layout_of(params, what="params")
+    num_workers = _exchange.axis_size(axis_name)
+    return DenseState(
+        _stats.initial_stats(0.0, *_stats.whole_vector(num_workers, layout.num_elements))
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    layout = _layout.gradient_layout(updates, params, None)
+    num_workers = _exchange.axis_size(axis_name)
+    _exchange.check_local(updates, axis_name)
+    total = jax.lax.psum(
+        jax.tree.map(lambda g: g.astype(_layout.ACCUMULATION_DTYPE), updates), axis_name
+    )
+    mean = jax.tree.map(lambda s, g: (s / num_workers).astype(g.dtype), total, updates)
+    count = jnp.int32(layout.num_elements)
+    stats = _stats.unpartitioned_stats(
+        step=state.stats.step + 1,
+        threshold=jnp.zeros((), jnp.float32),
+        selected=count,
+        transmitted=count,
+        overflow=jnp.zeros((), jnp.int32),
+        workloads=jnp.full((num_workers,), layout.num_elements, jnp.int32),
+        num_elements=layout.num_elements,
+        bytes_sent=_exchange.ring_all_reduce_bytes(
+            num_workers, layout.num_elements * _exchange.VALUE_BYTES
+        ),
+    )
+    return mean, DenseState(stats)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,120 @@
+"""The optax shell of a sparsifier with error feedback and no partitions.
+
+Top-k, hard threshold and CLT-k differ only in how one step turns this
+worker's accumulated gradient ``a = g + m`` into the aggregated update, its
+new residual and the step's statistics. The shell does the rest: it checks the
+gradient tree, flattens it, adds the residual, and unflattens the update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from exdyna_jax import _exchange, _layout, _options, _stats
+
+
+class ErrorFeedbackState(NamedTuple):
+  """Optimizer state of an error-feedback sparsifier (per worker).
+
+  Attributes:
+    residual: float32 ``[N]`` error-feedback memory of this worker: what it
+      accumulated and has not yet had transmitted.
+    stats: `SparsifierStats` of the last step.
+  """
+
+  residual: jax.Array
+  stats: _stats.SparsifierStats
+
+
+# (accumulated [N], previous stats, n) -> (update [N], residual [N], stats)
+SparsifyFn = Callable[
+    [jax.Array, _stats.SparsifierStats, int],
+    tuple[jax.Array, jax.Array, _stats.SparsifierStats],
+]
+
+
+def error_feedback_transform(
+    *,
+    axis_name: str,
+    initial_threshold: Callable[[int], float],
+    sparsify: SparsifyFn,
+) -> optax.GradientTransformationExtraArgs:
+  """Builds an optax transform around one sparsification step.
+
+  Args:
+    axis_name: the data-parallel axis.
+    initial_threshold: ``N -> threshold`` reported in the stats before the
+      first step (it also validates options that depend on ``N``).
+    sparsify: ``(accumulated, stats, n) -> (update, residual, stats)``, run
+      per worker inside the mapped context; ``stats`` are the previous
+      step's.
+
+  Returns:
+    The optax transformation; its state is an `ErrorFeedbackState`.
+  """
+
+  def init_fn(params: Any) -> ErrorFeedbackState:
+    layout = _layout.layout_of(params, what="params")
+    num_workers = _exchange.axis_size(axis_name)
+    residual = jnp.zeros((layout.num_elements,), _layout.ACCUMULATION_DTYPE)
+    return ErrorFeedbackState(
+        residual=_exchange.per_worker(residual, axis_name),
+        stats=_stats.initial_stats(
+            initial_threshold(layout.num_elements),
+            *_stats.whole_vector(num_workers, layout.num_elements),
+        ),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    layout = _layout.gradient_layout(updates, params, state.residual.shape[0])
+    num_workers = _exchange.axis_size(axis_name)
+    _exchange.check_local(updates, axis_name)
+    accumulated = _layout.flatten(updates) + state.residual
+    update, residual, stats = sparsify(accumulated, state.stats, num_workers)
+    return _layout.unflatten(update, layout), ErrorFeedbackState(residual, stats)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# (accumulated [N], previous stats, n, k) -> (update [N], residual [N], stats)
+BudgetSparsifyFn = Callable[
+    [jax.Array, _stats.SparsifierStats, int, int],
+    tuple[jax.Array, jax.Array, _stats.SparsifierStats],
+]
+
+
+def fixed_budget_transform(
+    density: float, *, axis_name: str, sparsify: BudgetSparsifyFn
+) -> optax.GradientTransformationExtraArgs:
+  """An `error_feedback_transform` that picks ``k = floor(density * N)`` per step.
+
+  For methods without a threshold (Top-k, CLT-k): the stats report a
+  threshold of 0 before the first step.
+
+  Args:
+    density: fraction ``d`` of gradient elements, in ``(0, 1]``.
+    axis_name: the data-parallel axis.
+    sparsify: ``(accumulated, stats, n, k) -> (update, residual, stats)``.
+
+  Returns:
+    The optax transformation; its state is an `ErrorFeedbackState`.
+  """
+  density = _options.check_density(density)
+
+  def initial_threshold(num_elements: int) -> float:
+    _options.target_count(density, num_elements)  # rejects k = 0
+    return 0.0
+
+  def sparsify_k(accumulated, stats, num_workers):
+    k = _options.target_count(density, accumulated.shape[0])
+    return sparsify(accumulated, stats, num_workers, k)
+
+  return error_feedback_transform(
+      axis_name=axis_name, initial_threshold=initial_threshold, sparsify=sparsify_k
+  )

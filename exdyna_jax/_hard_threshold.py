@@ -1,0 +1,124 @@
+"""Hard-threshold sparsification with error feedback and an index-union exchange."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import optax
+
+from exdyna_jax import _exchange, _feedback, _options, _stats, _threshold
+
+DEFAULT_CAPACITY_FACTOR = 2.0
+
+
+def hard_threshold(
+    density: float | None = None,
+    *,
+    threshold: float | None = None,
+    axis_name: str = "data",
+    capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
+    capacity: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Fixed-threshold sparsification with error feedback, as an optax transform.
+
+  Every worker selects ``|a| >= threshold`` over its whole accumulated
+  gradient; the workers all-gather their index buffers and sum their values
+  at all of them, so the update is the mean of all workers' accumulated
+  gradients on the union of their choices. Nothing ties the density to a
+  target: it is whatever the gradients give, and the union grows as workers
+  disagree (gradient build-up). The stats report ``selected`` = the sum of
+  the workers' counts before the capacity limit, ``transmitted`` = the
+  distinct indices in the union, ``overflow`` = elements that passed but did
+  not fit a worker's buffer (they stay in its residual), and the per-worker
+  counts as ``workloads``.
+
+  The threshold is set by exactly one of ``density`` (the rule of Sahu et
+  al., ``1 / (2 sqrt(k))`` with ``k = floor(density * N)``) and
+  ``threshold``. Each worker's buffer holds ``capacity`` indices (the lowest
+  ones that pass); by default ``ceil(capacity_factor * k)``, i.e. room for
+  twice the target ``k`` per worker, because nothing regulates the count.
+  With ``threshold=`` there is no ``k``, so ``capacity`` must be given.
+
+  The calling convention is that of `exdyna`: ``init`` and ``update`` run per
+  worker inside ``jax.shard_map``, ``jax.pmap`` or ``jax.vmap(axis_name=)``,
+  on the worker's local, unreduced gradient, first in an ``optax.chain``.
+
+  Args:
+    density: fraction ``d`` setting the threshold ``1 / (2 sqrt(d N))`` and
+      the default capacity.
+    threshold: a fixed threshold instead of ``density``.
+    axis_name: name of the data-parallel axis.
+    capacity_factor: default buffer size as a multiple of ``k`` (with
+      ``density``).
+    capacity: index slots per worker; overrides ``capacity_factor``, and is
+      required with ``threshold``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is an
+    `ErrorFeedbackState`.
+
+  Raises:
+    ValueError: if both or neither of ``density`` and ``threshold`` are
+      given, if ``threshold`` is given without ``capacity``, or an option is
+      out of range.
+
+  References:
+    Sahu et al., "Rethinking gradient sparsification as total error
+    minimization", NeurIPS 2021.
+  """
+  if (density is None) == (threshold is None):
+    raise ValueError(
+        "hard_threshold needs exactly one of density= (threshold "
+        "1 / (2 sqrt(floor(density * N)))) and threshold= (a fixed value), got "
+        f"density={density!r}, threshold={threshold!r}."
+    )
+  if density is not None:
+    density = _options.check_density(density)
+    capacity_factor = _options.check_capacity_factor(capacity_factor)
+  else:
+    threshold = _options.check_threshold(threshold)
+    if capacity is None:
+      raise ValueError(
+          "hard_threshold(threshold=...) cannot size its index buffers from a "
+          "density: pass capacity= (index slots per worker, e.g. twice the number "
+          "of elements you expect above the threshold), or use density= instead."
+      )
+  if capacity is not None:
+    capacity = _options.check_capacity(capacity)
+
+  def settings(num_elements: int) -> tuple[float, int]:
+    """``(threshold, capacity)`` for a model of ``N`` elements."""
+    if density is None:
+      return threshold, min(capacity, num_elements)
+    k = _options.target_count(density, num_elements)
+    slots = capacity or math.ceil(capacity_factor * k)
+    return _threshold.hard_threshold_rule(k), max(1, min(slots, num_elements))
+
+  def sparsify(accumulated, stats, num_workers):
+    num_elements = accumulated.shape[0]
+    value, slots = settings(num_elements)
+    selection = _exchange.select_window(
+        accumulated, jnp.float32(value), 0, num_elements, capacity=slots
+    )
+    exchanged = _exchange.exchange(
+        accumulated, selection.indices, selection.passed[None], axis_name
+    )
+    passed = exchanged.gathered_info[:, 0]
+    new_stats = _stats.unpartitioned_stats(
+        step=stats.step + 1,
+        threshold=jnp.float32(value),
+        selected=jnp.sum(passed),
+        transmitted=_exchange.distinct_count(exchanged.gathered_indices, num_elements),
+        overflow=jnp.sum(jnp.maximum(passed - slots, 0)),
+        workloads=passed,
+        num_elements=num_elements,
+        bytes_sent=_exchange.exchange_bytes(num_workers, slots, 1),
+    )
+    return exchanged.update, exchanged.residual, new_stats
+
+  return _feedback.error_feedback_transform(
+      axis_name=axis_name,
+      initial_threshold=lambda num_elements: settings(num_elements)[0],
+      sparsify=sparsify,
+  )

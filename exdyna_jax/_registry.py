@@ -1,0 +1,62 @@
+"""Every sparsifier by name, for configuration files and benchmarks.
+
+A new method registers itself by adding its factory to `SPARSIFIERS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optax
+
+from exdyna_jax._cltk import cltk
+from exdyna_jax._dense import dense
+from exdyna_jax._exdyna import exdyna
+from exdyna_jax._hard_threshold import hard_threshold
+from exdyna_jax._micro import micro
+from exdyna_jax._spardl import spardl
+from exdyna_jax._topk import topk
+
+Factory = Callable[..., optax.GradientTransformationExtraArgs]
+
+SPARSIFIERS: dict[str, Factory] = {
+    "exdyna": exdyna,
+    "micro": micro,
+    "topk": topk,
+    "hard_threshold": hard_threshold,
+    "cltk": cltk,
+    "spardl": spardl,
+    "dense": dense,
+}
+
+
+def available_sparsifiers() -> tuple[str, ...]:
+  """Names accepted by `get_sparsifier`, sorted."""
+  return tuple(sorted(SPARSIFIERS))
+
+
+def get_sparsifier(name: str, **options: Any) -> optax.GradientTransformationExtraArgs:
+  """Builds the sparsifier called ``name`` with keyword ``options``.
+
+  Example::
+
+    tx = exdyna_jax.get_sparsifier("topk", density=0.01)
+
+  Args:
+    name: one of `available_sparsifiers` (case and ``-``/``_`` are ignored).
+    **options: the factory's arguments, e.g. ``density=0.001`` (``dense``
+      takes none but ``axis_name``).
+
+  Returns:
+    The optax transformation.
+
+  Raises:
+    ValueError: for an unknown name, listing the valid ones.
+  """
+  key = name.lower().replace("-", "_") if isinstance(name, str) else name
+  if key not in SPARSIFIERS:
+    raise ValueError(
+        f"Unknown sparsifier {name!r}; valid names: {', '.join(available_sparsifiers())}."
+    )
+  return SPARSIFIERS[key](**options)

@@ -1,0 +1,221 @@
+"""Independent NumPy models of MiCRO, Top-k, hard threshold, CLT-k and dense.
+
+Written from ALGORITHMS.md sections 0 and 2-5 (with the static-buffer rules of
+section 7), not from the JAX code. Every model takes per-worker flat gradients
+``grads[w, t, i]`` (float32, ``n`` workers, ``T`` steps, ``N`` elements) and
+returns a `Trace`: the aggregated update of every step, every worker's
+residual after every step, and the statistics the JAX transforms report.
+
+Conventions:
+
+* Accumulation ``a_w = g_w + m_w`` is float32; the values at the transmitted
+  indices are summed over workers in rank order in float32 and divided by
+  ``n`` (JAX's ``psum`` may add in another order: compare updates with a
+  tolerance, indices and residuals exactly).
+* Index-union exchange (section 0): every worker clears every transmitted
+  index; Top-k and hard threshold take ``unique`` of the union.
+* Static buffers (section 7): a worker whose selection exceeds its buffer of
+  ``C`` slots sends its ``C`` lowest indices; the rest stay in its residual and
+  are counted as overflow; the threshold rule sees the true counts.
+* MiCRO's threshold follows the published rule in float32:
+  ``thr = float32(thr * float32(f))`` with ``f = 1.005`` if ``10 K > 11 k``,
+  ``1.00125`` if ``1000 K > 909 k``, else ``0.995``; ``K`` counts 1 for a
+  worker that sent only its fallback index.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+F32 = np.float32
+
+
+class Trace(NamedTuple):
+  """What a model did, step by step.
+
+  Attributes:
+    updates: float32 ``[T, N]`` aggregated update (the same for every worker).
+    residuals: float32 ``[n, T, N]`` each worker's residual after each step.
+    threshold: float32 ``[T]`` threshold used (0 where none applies).
+    selected: int ``[T]`` elements selected by all workers together.
+    transmitted: int ``[T]`` distinct indices transmitted.
+    overflow: int ``[T]`` elements that passed but did not fit a buffer.
+    workloads: int ``[T, n]`` per partition (MiCRO) or per worker.
+  """
+
+  updates: np.ndarray
+  residuals: np.ndarray
+  threshold: np.ndarray
+  selected: np.ndarray
+  transmitted: np.ndarray
+  overflow: np.ndarray
+  workloads: np.ndarray
+
+
+def target(density: float, num_elements: int) -> int:
+  """``k = floor(d N)``."""
+  return math.floor(density * num_elements)
+
+
+def initial_threshold(k: int) -> np.float32:
+  """``1 / (2 sqrt(k))``, computed in float64 and rounded to float32."""
+  return F32(1.0 / (2.0 * math.sqrt(k)))
+
+
+def reference_factor(selected: int, k: int) -> np.float32:
+  """The published multiplicative threshold update for ``K = selected``."""
+  if 10 * selected > 11 * k:
+    return F32(1.005)
+  if 1000 * selected > 909 * k:
+    return F32(1.00125)
+  return F32(0.995)
+
+
+def top_k(magnitudes: np.ndarray, k: int) -> np.ndarray:
+  """Indices of the ``k`` largest magnitudes, ties towards the lower index."""
+  return np.argsort(-magnitudes, kind="stable")[:k]
+
+
+def aggregate(accumulated: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Index-union aggregation (section 0 steps 4-6) at ``indices`` (any order).
+
+  Returns:
+    ``(update [N], residuals [n, N])``.
+  """
+  num_workers = accumulated.shape[0]
+  total = np.zeros(indices.shape, F32)
+  for w in range(num_workers):
+    total = total + accumulated[w, indices]
+  update = np.zeros(accumulated.shape[1], F32)
+  update[indices] = total / F32(num_workers)
+  residuals = accumulated.copy()
+  residuals[:, indices] = 0
+  return update, residuals
+
+
+class _Recorder:
+  """Collects per-step records into a `Trace`."""
+
+  def __init__(self):
+    self.rows = []
+
+  def add(self, update, residuals, threshold, selected, transmitted, overflow, workloads):
+    self.rows.append((update, residuals, threshold, selected, transmitted, overflow, workloads))
+
+  def trace(self) -> Trace:
+    cols = list(zip(*self.rows, strict=True))
+    return Trace(
+        updates=np.stack(cols[0]),
+        residuals=np.stack(cols[1], axis=1),
+        threshold=np.asarray(cols[2], F32),
+        selected=np.asarray(cols[3]),
+        transmitted=np.asarray(cols[4]),
+        overflow=np.asarray(cols[5]),
+        workloads=np.asarray(cols[6]),
+    )
+
+
+def micro_partitions(num_elements: int, num_workers: int) -> tuple[list[int], list[int]]:
+  """Static partitions: ``floor(N/n)`` elements, one more for the first ``N mod n``."""
+  quotient, extra = divmod(num_elements, num_workers)
+  sizes = [quotient + (p < extra) for p in range(num_workers)]
+  starts = [sum(sizes[:p]) for p in range(num_workers)]
+  return starts, sizes
+
+
+def micro(grads: np.ndarray, density: float, capacity: int) -> Trace:
+  """MiCRO (section 2) with the published threshold rule."""
+  num_workers, num_steps, num_elements = grads.shape
+  k = target(density, num_elements)
+  starts, sizes = micro_partitions(num_elements, num_workers)
+  threshold = initial_threshold(k)
+  residuals = np.zeros((num_workers, num_elements), F32)
+  previous_selected = None
+  record = _Recorder()
+  for t in range(num_steps):
+    if t >= 1:
+      threshold = F32(threshold * reference_factor(previous_selected, k))
+    accumulated = grads[:, t].astype(F32) + residuals
+    chosen, workloads = [], [0] * num_workers
+    selected = transmitted = 0
+    for w in range(num_workers):
+      p = (t % num_workers + w) % num_workers
+      begin, length = starts[p], sizes[p]
+      window = np.abs(accumulated[w, begin : begin + length])
+      passing = begin + np.flatnonzero(window >= threshold)
+      if passing.size == 0:
+        passing = np.asarray([begin + t % length])
+      chosen.append(passing[:capacity])
+      workloads[p] = passing.size
+      selected += passing.size
+      transmitted += min(passing.size, capacity)
+    update, residuals = aggregate(accumulated, np.concatenate(chosen))
+    overflow = selected - transmitted
+    record.add(update, residuals, threshold, selected, transmitted, overflow, workloads)
+    previous_selected = selected
+  return record.trace()
+
+
+def topk(grads: np.ndarray, density: float) -> Trace:
+  """Top-k with error feedback (section 3); threshold = min_w k-th magnitude."""
+  num_workers, num_steps, num_elements = grads.shape
+  k = target(density, num_elements)
+  residuals = np.zeros((num_workers, num_elements), F32)
+  record = _Recorder()
+  for t in range(num_steps):
+    accumulated = grads[:, t].astype(F32) + residuals
+    magnitudes = np.abs(accumulated)
+    chosen = [top_k(magnitudes[w], k) for w in range(num_workers)]
+    kth = min(magnitudes[w, chosen[w][-1]] for w in range(num_workers))
+    union = np.unique(np.concatenate(chosen))
+    update, residuals = aggregate(accumulated, union)
+    record.add(update, residuals, kth, num_workers * k, union.size, 0, [k] * num_workers)
+  return record.trace()
+
+
+def hard_threshold(grads: np.ndarray, threshold: float, capacity: int) -> Trace:
+  """Hard threshold (section 4) over the whole vector, ``C`` lowest indices kept."""
+  num_workers, num_steps, num_elements = grads.shape
+  threshold = F32(threshold)
+  residuals = np.zeros((num_workers, num_elements), F32)
+  record = _Recorder()
+  for t in range(num_steps):
+    accumulated = grads[:, t].astype(F32) + residuals
+    passing = [np.flatnonzero(np.abs(accumulated[w]) >= threshold) for w in range(num_workers)]
+    counts = [p.size for p in passing]
+    union = np.unique(np.concatenate([p[:capacity] for p in passing]))
+    update, residuals = aggregate(accumulated, union)
+    overflow = sum(max(c - capacity, 0) for c in counts)
+    record.add(update, residuals, threshold, sum(counts), union.size, overflow, counts)
+  return record.trace()
+
+
+def cltk(grads: np.ndarray, density: float) -> Trace:
+  """CLT-k (section 5): the leader ``t mod n``'s top-k, for everyone."""
+  num_workers, num_steps, num_elements = grads.shape
+  k = target(density, num_elements)
+  residuals = np.zeros((num_workers, num_elements), F32)
+  record = _Recorder()
+  for t in range(num_steps):
+    accumulated = grads[:, t].astype(F32) + residuals
+    leader = t % num_workers
+    magnitudes = np.abs(accumulated[leader])
+    chosen = top_k(magnitudes, k)
+    update, residuals = aggregate(accumulated, chosen)
+    workloads = [k if w == leader else 0 for w in range(num_workers)]
+    record.add(update, residuals, magnitudes[chosen[-1]], k, k, 0, workloads)
+  return record.trace()
+
+
+def dense(grads: np.ndarray) -> Trace:
+  """Mean all-reduce; no residual (reported as zeros)."""
+  num_workers, num_steps, num_elements = grads.shape
+  record = _Recorder()
+  for t in range(num_steps):
+    update = np.sum(grads[:, t].astype(F32), axis=0) / F32(num_workers)
+    zeros = np.zeros((num_workers, num_elements), F32)
+    record.add(update, zeros, 0.0, num_elements, num_elements, 0, [num_elements] * num_workers)
+  return record.trace()

@@ -1,0 +1,352 @@
+"""ExDyna as users call it: invariants, calling contexts, controllers, errors.
+
+The step-by-step match against the NumPy model of ALGORITHMS.md lives in
+test_exdyna_reference.py; this file checks what must hold for any input.
+"""
+
+from __future__ import annotations
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import P
+
+import exdyna_jax
+from tests import harness
+
+N_WORKERS = 4
+BLOCKS = 64
+
+
+def mixed_params():
+  """A multi-leaf tree with mixed shapes (66,650 elements)."""
+  return {
+      "conv": jnp.zeros((3, 3, 16, 32)),
+      "dense": {"w": jnp.zeros((256, 240)), "b": jnp.zeros((240,))},
+      "scale": jnp.zeros(()),
+      "head": jnp.zeros((10, 50)),
+  }
+
+
+def uneven_grads(key, params, num_workers, steps, dtype=jnp.float32):
+  """Heavy-tailed per-worker gradients whose scale varies strongly by leaf."""
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(key, len(leaves))
+  out = []
+  for i, (k, leaf) in enumerate(zip(keys, leaves, strict=True)):
+    scale = 10.0 ** (i - 2)
+    draw = jax.random.t(k, 3.0, (num_workers, steps, *leaf.shape)) * scale
+    out.append(draw.astype(dtype))
+  return jax.tree.unflatten(treedef, out)
+
+
+def flat(tree, leading=2):
+  leaves = jax.tree.leaves(tree)
+  return np.concatenate(
+      [np.asarray(x, np.float32).reshape(*x.shape[:leading], -1) for x in leaves], axis=-1
+  )
+
+
+@pytest.fixture(scope="module")
+def adaptive_run():
+  params = mixed_params()
+  grads = uneven_grads(jax.random.key(0), params, N_WORKERS, 40)
+  tx = exdyna_jax.exdyna(0.01, num_blocks=BLOCKS)
+  updates, states, final = harness.run_vmap(tx, params, grads)
+  return params, grads, updates, states, final
+
+
+def test_update_keeps_tree_shapes_and_dtypes(adaptive_run):
+  _, grads, updates, _, _ = adaptive_run
+  chex.assert_trees_all_equal_shapes_and_dtypes(updates, grads)
+
+
+def test_update_is_identical_on_every_worker(adaptive_run):
+  _, _, updates, _, _ = adaptive_run
+  for leaf in jax.tree.leaves(updates):
+    leaf = np.asarray(leaf)
+    np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape))
+
+
+def test_mass_is_conserved(adaptive_run):
+  """sum_w m_new + n * update == sum_w (g + m_old), step by step."""
+  _, grads, updates, states, _ = adaptive_run
+  g = flat(grads)
+  u = flat(updates)
+  residuals = np.asarray(states.residual)  # [n, steps, N]
+  previous = np.concatenate([np.zeros_like(residuals[:, :1]), residuals[:, :-1]], axis=1)
+  accumulated = (g + previous).sum(axis=0)
+  kept = residuals.sum(axis=0) + N_WORKERS * u[0]
+  np.testing.assert_allclose(kept, accumulated, rtol=1e-6, atol=1e-6 * np.abs(accumulated).max())
+
+
+def test_no_build_up_transmitted_is_the_sum_of_selections(adaptive_run):
+  _, _, updates, states, _ = adaptive_run
+  stats = jax.tree.map(lambda x: np.asarray(x)[0], states.stats)
+  nonzero = (flat(updates)[0] != 0).sum(axis=-1)
+  np.testing.assert_array_equal(stats.transmitted, np.minimum(stats.selected, stats.transmitted))
+  np.testing.assert_array_equal(stats.selected - stats.overflow, stats.transmitted)
+  np.testing.assert_array_equal(stats.workloads.sum(axis=-1), stats.selected)
+  # Disjoint partitions: every transmitted index is distinct and nonzero here.
+  assert (nonzero <= stats.transmitted).all()
+  assert (nonzero >= stats.transmitted - 2).all()
+
+
+def test_partitions_cover_all_blocks_and_respect_the_minimum(adaptive_run):
+  _, _, _, states, _ = adaptive_run
+  stats = jax.tree.map(lambda x: np.asarray(x)[0], states.stats)
+  sizes, starts = stats.partition_sizes, stats.partition_starts
+  np.testing.assert_array_equal(sizes.sum(axis=-1), BLOCKS)
+  assert (4 * N_WORKERS * sizes >= BLOCKS).all()
+  np.testing.assert_array_equal(starts[:, 0], 0)
+  np.testing.assert_array_equal(starts[:, 1:], np.cumsum(sizes, axis=-1)[:, :-1])
+  assert (sizes != sizes[:1]).any(), "uneven gradients should move partition boundaries"
+
+
+def test_stats_are_readable_from_a_chained_state_in_one_line():
+  params = mixed_params()
+  grads = uneven_grads(jax.random.key(1), params, N_WORKERS, 3)
+  tx = optax.chain(exdyna_jax.exdyna(0.01, num_blocks=BLOCKS), optax.sgd(0.1, momentum=0.9))
+  _, _, final = harness.run_vmap(tx, params, grads)
+  stats = optax.tree.get(final, "stats")
+  assert isinstance(stats, exdyna_jax.SparsifierStats)
+  assert exdyna_jax.get_stats(final) is not None
+  np.testing.assert_array_equal(np.asarray(stats.step), 3)
+  assert (np.asarray(stats.bytes_sent) > 0).all()
+
+
+@pytest.mark.parametrize("controller", ["reference", "adaptive"])
+def test_shard_map_pmap_and_vmap_agree(controller):
+  n = 8
+  params = mixed_params()
+  grads = uneven_grads(jax.random.key(2), params, n, 6)
+  tx = exdyna_jax.exdyna(0.01, num_blocks=BLOCKS, controller=controller)
+  expected, expected_states, _ = harness.run_vmap(tx, params, grads)
+  for run in (harness.run_pmap, harness.run_shard_map):
+    updates, states, _ = run(tx, params, grads)
+    chex.assert_trees_all_close(updates, expected, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_equal(
+        states.stats.partition_sizes, expected_states.stats.partition_sizes
+    )
+    chex.assert_trees_all_close(states.stats.threshold, expected_states.stats.threshold, rtol=1e-6)
+
+
+def test_shard_map_with_varying_types_returns_invariant_updates():
+  """Under check_vma=True the mean update can leave through out_specs=P()."""
+  n = 8
+  params = mixed_params()
+  tx = exdyna_jax.exdyna(0.01, num_blocks=BLOCKS)
+  grads = jax.tree.map(lambda g: g[:, 0], uneven_grads(jax.random.key(3), params, n, 1))
+
+  def step(grads):
+    state = tx.init(params)
+    updates, _ = tx.update(jax.tree.map(lambda g: g[0], grads), state, params)
+    return updates
+
+  fn = jax.shard_map(step, mesh=harness.mesh_of(n), in_specs=P("data"), out_specs=P())
+  updates = jax.jit(fn)(grads)
+  expected, _, _ = harness.run_vmap(tx, params, jax.tree.map(lambda g: g[:, None], grads))
+  expected = jax.tree.map(lambda u: u[0, 0], expected)
+  chex.assert_trees_all_close(updates, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_already_summed_by_shard_map_are_rejected():
+  """The hidden dense all-reduce: grad of replicated params under check_vma."""
+  params = {"w": jnp.ones((64, 1024))}
+  tx = exdyna_jax.exdyna(0.01, num_blocks=64)
+
+  def step(x):
+    state = tx.init(params)
+    grads = jax.grad(lambda p: jnp.sum(x @ p["w"]))(params)
+    return tx.update(grads, state, params)[0]
+
+  fn = jax.shard_map(step, mesh=harness.mesh_of(8), in_specs=P("data"), out_specs=P())
+  with pytest.raises(ValueError, match=r"already summed.*pcast"):
+    jax.jit(fn)(jnp.ones((8, 64)))
+
+
+def test_no_retracing_over_many_steps():
+  params = mixed_params()
+  tx = exdyna_jax.exdyna(0.01, num_blocks=BLOCKS)
+  grads = uneven_grads(jax.random.key(4), params, N_WORKERS, 1)
+  grads = jax.tree.map(lambda g: g[:, 0], grads)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(grads, state):
+    return jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="data")(grads, state)
+
+  state = jax.vmap(lambda _: tx.init(params), axis_name="data")(jnp.arange(N_WORKERS))
+  for _ in range(25):
+    _, state = step(grads, state)
+  assert int(exdyna_jax.get_stats(state).step[0]) == 25
+
+
+def test_bfloat16_gradients_give_bfloat16_updates_and_conserve_mass():
+  params = {"w": jnp.zeros((128, 300), jnp.bfloat16), "b": jnp.zeros((300,), jnp.bfloat16)}
+  grads = uneven_grads(jax.random.key(5), params, N_WORKERS, 10, dtype=jnp.bfloat16)
+  tx = exdyna_jax.exdyna(0.01, num_blocks=BLOCKS)
+  updates, states, _ = harness.run_vmap(tx, params, grads)
+  chex.assert_trees_all_equal_dtypes(updates, grads)
+  g, u = flat(grads), flat(updates)
+  residuals = np.asarray(states.residual)
+  assert residuals.dtype == np.float32  # accumulation is float32 whatever the leaf dtype
+  previous = np.concatenate([np.zeros_like(residuals[:, :1]), residuals[:, :-1]], axis=1)
+  accumulated = (g + previous).sum(axis=0)
+  kept = residuals.sum(axis=0) + N_WORKERS * u[0]
+  # The update is rounded to bfloat16 (8 bits of mantissa) on its way out.
+  np.testing.assert_allclose(kept, accumulated, rtol=2**-7, atol=1e-6)
+
+
+def test_adaptive_controller_holds_the_target_density():
+  """Median |K/k - 1| within 3 % from step 20 on (uneven heavy-tailed gradients)."""
+  params = mixed_params()
+  grads = uneven_grads(jax.random.key(6), params, N_WORKERS, 60)
+  tx = exdyna_jax.exdyna(0.01, num_blocks=BLOCKS)
+  _, states, _ = harness.run_vmap(tx, params, grads)
+  num_elements = sum(x.size for x in jax.tree.leaves(params))
+  ratio = np.asarray(states.stats.selected[0]) / int(0.01 * num_elements)
+  assert np.median(np.abs(ratio[20:] - 1)) <= 0.03, ratio
+  reference = exdyna_jax.exdyna(0.01, num_blocks=BLOCKS, controller="reference")
+  _, reference_states, _ = harness.run_vmap(reference, params, grads)
+  reference_ratio = np.asarray(reference_states.stats.selected[0]) / int(0.01 * num_elements)
+  assert np.median(np.abs(reference_ratio[20:] - 1)) > np.median(np.abs(ratio[20:] - 1))
+
+
+def test_overflow_stays_in_the_residual():
+  params = mixed_params()
+  grads = uneven_grads(jax.random.key(7), params, N_WORKERS, 3)
+  tx = exdyna_jax.exdyna(0.01, num_blocks=BLOCKS, capacity_factor=0.25, controller="reference")
+  updates, states, _ = harness.run_vmap(tx, params, grads)
+  stats = jax.tree.map(lambda x: np.asarray(x)[0], states.stats)
+  capacity = int(np.ceil(0.25 * int(0.01 * 66650) / N_WORKERS))
+  assert (stats.overflow > 0).all()
+  assert (stats.transmitted <= N_WORKERS * capacity).all()
+  np.testing.assert_array_equal((flat(updates)[0] != 0).sum(-1) <= stats.transmitted, True)
+
+
+def test_plain_jit_helper_leaks_no_dense_all_reduce():
+  """data_parallel: per-worker gradients, sparse exchange, no dense psum in HLO."""
+  n = 8
+  mesh = harness.mesh_of(n)
+  leaves, treedef = jax.tree.flatten(mixed_params())
+  keys = jax.random.split(jax.random.key(10), len(leaves))
+  leaves = [0.1 * jax.random.normal(k, leaf.shape) for k, leaf in zip(keys, leaves, strict=True)]
+  params = jax.tree.unflatten(treedef, leaves)
+  params = jax.device_put(params, jax.NamedSharding(mesh, P()))
+  num_elements = sum(x.size for x in jax.tree.leaves(params))
+
+  def loss_fn(params, batch):
+    x, y = batch
+    h = x @ params["dense"]["w"] + params["dense"]["b"]
+    return jnp.mean((h[:, :50] @ params["head"].T - y) ** 2) + params["scale"] ** 2 + jnp.sum(
+        params["conv"] ** 2
+    )
+
+  dp = exdyna_jax.data_parallel(
+      optax.chain(exdyna_jax.exdyna(0.01, num_blocks=BLOCKS), optax.sgd(0.1)), mesh
+  )
+  opt_state = dp.init(params)
+  assert exdyna_jax.get_stats(opt_state).threshold.sharding.spec == P("data")
+
+  @jax.jit
+  def train_step(params, opt_state, batch):
+    loss, grads = dp.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = dp.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  sharded = jax.NamedSharding(mesh, P("data"))
+  batch = (
+      jax.device_put(jax.random.normal(jax.random.key(8), (64, 256)), sharded),
+      jax.device_put(jax.random.normal(jax.random.key(9), (64, 10)), sharded),
+  )
+  losses = []
+  for _ in range(5):
+    params, opt_state, loss = train_step(params, opt_state, batch)
+    losses.append(float(loss))
+  assert losses[-1] < losses[0]
+
+  hlo = train_step.lower(params, opt_state, batch).compile().as_text()
+  reduced = [
+      int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+      for line in hlo.splitlines()
+      if " all-reduce(" in line
+      for dims in re.findall(r"[fsu]\d+\[([\d,]*)\]", line.split("all-reduce(")[0])
+  ]
+  assert reduced, "the sparse values are summed with one all-reduce"
+  assert max(reduced) < num_elements // 10, f"a dense all-reduce leaked: sizes {reduced}"
+
+  # Same updates as the per-worker (vmap) formulation of the same step.
+  assert np.isfinite(losses).all()
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _init_in_vmap(tx, params, n=N_WORKERS):
+  return jax.vmap(lambda _: tx.init(params), axis_name="data", axis_size=n)(jnp.arange(n))
+
+
+@pytest.mark.parametrize("density", [0.0, -0.1, 1.5, float("nan")])
+def test_density_outside_unit_interval_is_rejected(density):
+  with pytest.raises(ValueError, match=r"density must be in \(0, 1\]"):
+    exdyna_jax.exdyna(density)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, -1.0])
+def test_non_positive_capacity_factor_is_rejected(capacity_factor):
+  with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+    exdyna_jax.exdyna(0.01, capacity_factor=capacity_factor)
+
+
+def test_unknown_controller_is_rejected():
+  with pytest.raises(ValueError, match=r"'adaptive'.*'reference'"):
+    exdyna_jax.exdyna(0.01, controller="pid")
+
+
+def test_too_few_blocks_for_the_workers_names_the_minimum():
+  tx = exdyna_jax.exdyna(0.01, num_blocks=8)
+  with pytest.raises(ValueError, match=r"Pass num_blocks >= 16"):
+    _init_in_vmap(tx, mixed_params())
+
+
+def test_model_smaller_than_the_blocks_names_the_fix():
+  tx = exdyna_jax.exdyna(0.1, num_blocks=1024)
+  with pytest.raises(ValueError, match=r"too few for num_blocks=1024.*Pass num_blocks <= 31"):
+    _init_in_vmap(tx, {"w": jnp.zeros((1000,))})
+
+
+def test_density_below_one_element_names_the_minimum():
+  tx = exdyna_jax.exdyna(1e-9, num_blocks=64)
+  with pytest.raises(ValueError, match=r"Pass density >="):
+    _init_in_vmap(tx, mixed_params())
+
+
+def test_unbound_axis_says_how_to_bind_it():
+  tx = exdyna_jax.exdyna(0.01)
+  with pytest.raises(ValueError, match=r"not bound.*shard_map.*pmap.*vmap.*data_parallel"):
+    tx.init(mixed_params())
+
+
+def test_integer_leaves_are_rejected_with_the_leaf_named():
+  tx = exdyna_jax.exdyna(0.01, num_blocks=64)
+  params = {**mixed_params(), "count": jnp.zeros((3,), jnp.int32)}
+  with pytest.raises(TypeError, match=r"\['count'\].*int32"):
+    _init_in_vmap(tx, params)
+
+
+def test_update_tree_that_differs_from_the_init_tree_is_rejected():
+  params = mixed_params()
+  tx = exdyna_jax.exdyna(0.01, num_blocks=64)
+  state = _init_in_vmap(tx, params)
+  other = {**params, "extra": jnp.zeros((5,))}
+  grads = jax.tree.map(lambda x: jnp.zeros((N_WORKERS, *x.shape)), other)
+  with pytest.raises(ValueError, match="initialized for"):
+    jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="data")(grads, state)
+  with pytest.raises(ValueError, match="initialized for"):
+    jax.vmap(lambda g, s: tx.update(g, s), axis_name="data")(grads, state)
