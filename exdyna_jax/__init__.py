@@ -6,7 +6,6 @@ from exdyna_jax._exdyna import exdyna
 from exdyna_jax._feedback import ErrorFeedbackState
 from exdyna_jax._hard_threshold import hard_threshold
 from exdyna_jax._micro import micro
-from exdyna_jax._partitioned import PartitionedState
 from exdyna_jax._registry import available_sparsifiers, get_sparsifier
 from exdyna_jax._sharding import DataParallel, data_parallel
 from exdyna_jax._spardl import SparDLRounds, SparDLState, spardl
@@ -17,7 +16,6 @@ __all__ = [
     "DataParallel",
     "DenseState",
     "ErrorFeedbackState",
-    "PartitionedState",
     "SparDLRounds",
     "SparDLState",
     "SparsifierStats",

@@ -64,7 +64,7 @@ def exdyna(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
-    `PartitionedState`.
+    `ErrorFeedbackState`.
 
   References:
     Yoon & Oh, "Preserving Near-Optimal Gradient Sparsification Cost for

@@ -1,9 +1,10 @@
-"""The optax shell of a sparsifier with error feedback and no partitions.
+"""The optax shell every error-feedback sparsifier shares.
 
-Top-k, hard threshold and CLT-k differ only in how one step turns this
-worker's accumulated gradient ``a = g + m`` into the aggregated update, its
-new residual and the step's statistics. The shell does the rest: it checks the
-gradient tree, flattens it, adds the residual, and unflattens the update.
+ExDyna, MiCRO, Top-k, hard threshold and CLT-k differ only in how one step
+turns this worker's accumulated gradient ``a = g + m`` into the aggregated
+update, its new residual and the step's statistics. The shell does the rest:
+it checks the gradient tree, flattens it, adds the residual, and unflattens
+the update.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ class ErrorFeedbackState(NamedTuple):
   Attributes:
     residual: float32 ``[N]`` error-feedback memory of this worker: what it
       accumulated and has not yet had transmitted.
-    stats: `SparsifierStats` of the last step.
+    stats: `SparsifierStats` of the last step (for ExDyna also the
+      partitions and workloads the next step rebalances from).
   """
 
   residual: jax.Array
@@ -41,15 +43,15 @@ SparsifyFn = Callable[
 def error_feedback_transform(
     *,
     axis_name: str,
-    initial_threshold: Callable[[int], float],
+    initial_stats: Callable[[int, int], _stats.SparsifierStats],
     sparsify: SparsifyFn,
 ) -> optax.GradientTransformationExtraArgs:
   """Builds an optax transform around one sparsification step.
 
   Args:
     axis_name: the data-parallel axis.
-    initial_threshold: ``N -> threshold`` reported in the stats before the
-      first step (it also validates options that depend on ``N``).
+    initial_stats: ``(N, n) -> SparsifierStats`` before the first step (it
+      also validates options that depend on ``N`` and ``n``).
     sparsify: ``(accumulated, stats, n) -> (update, residual, stats)``, run
       per worker inside the mapped context; ``stats`` are the previous
       step's.
@@ -64,10 +66,7 @@ def error_feedback_transform(
     residual = jnp.zeros((layout.num_elements,), _layout.ACCUMULATION_DTYPE)
     return ErrorFeedbackState(
         residual=_exchange.per_worker(residual, axis_name),
-        stats=_stats.initial_stats(
-            initial_threshold(layout.num_elements),
-            *_stats.whole_vector(num_workers, layout.num_elements),
-        ),
+        stats=initial_stats(layout.num_elements, num_workers),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -107,14 +106,21 @@ def fixed_budget_transform(
   """
   density = _options.check_density(density)
 
-  def initial_threshold(num_elements: int) -> float:
+  def initial_stats(num_elements: int, num_workers: int) -> _stats.SparsifierStats:
     _options.target_count(density, num_elements)  # rejects k = 0
-    return 0.0
+    return unpartitioned_initial_stats(0.0, num_elements, num_workers)
 
   def sparsify_k(accumulated, stats, num_workers):
     k = _options.target_count(density, accumulated.shape[0])
     return sparsify(accumulated, stats, num_workers, k)
 
   return error_feedback_transform(
-      axis_name=axis_name, initial_threshold=initial_threshold, sparsify=sparsify_k
+      axis_name=axis_name, initial_stats=initial_stats, sparsify=sparsify_k
   )
+
+
+def unpartitioned_initial_stats(
+    threshold: float, num_elements: int, num_workers: int
+) -> _stats.SparsifierStats:
+  """Statistics before the first step of a method where every worker scans all of ``N``."""
+  return _stats.initial_stats(threshold, *_stats.whole_vector(num_workers, num_elements))

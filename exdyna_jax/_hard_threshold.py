@@ -119,6 +119,8 @@ def hard_threshold(
 
   return _feedback.error_feedback_transform(
       axis_name=axis_name,
-      initial_threshold=lambda num_elements: settings(num_elements)[0],
+      initial_stats=lambda num_elements, num_workers: _feedback.unpartitioned_initial_stats(
+          settings(num_elements)[0], num_elements, num_workers
+      ),
       sparsify=sparsify,
   )

@@ -43,7 +43,7 @@ def micro(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
-    `PartitionedState` (partition starts and sizes counted in elements).
+    `ErrorFeedbackState` (partition starts and sizes counted in elements).
 
   References:
     Yoon & Oh, "MiCRO: Near-Zero Cost Gradient Sparsification for Scaling and
