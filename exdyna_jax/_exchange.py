@@ -153,21 +153,46 @@ def compact_rows(
   return indices.at[slots.reshape(-1)].set(element_ids.reshape(-1), mode="drop")
 
 
-def compact(mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
-  """Indices of the first ``capacity`` set positions of ``mask``, in order.
+class Window(NamedTuple):
+  """A contiguous slice of the accumulated gradient that a selection scans.
 
-  Args:
-    mask: bool ``[N]``.
-    capacity: static number of slots ``C``.
+  Selecting inside a partition only needs the partition, so the scans, prefix
+  sums and compaction run on a static-size slice that holds it: their cost
+  grows with the partition (about ``N / n``), not with ``N``.
 
-  Returns:
-    ``(indices, count)``: int32 ``[C]`` ascending indices, padded with the
-    sentinel ``N``; and the int32 number of set positions (which may exceed
-    ``C``).
+  Attributes:
+    values: float32 ``[W]`` the slice.
+    offset: int32 global index of ``values[0]``.
+    num_elements: ``N``, the length of the whole vector (and the sentinel).
   """
-  counts = row_counts([mask])[:, 0]
-  indices = compact_rows(counts, lambda ids: mask[ids], capacity, mask.shape[0])
-  return indices, jnp.sum(counts)
+
+  values: jax.Array
+  offset: jax.Array
+  num_elements: int
+
+  @classmethod
+  def whole(cls, accumulated: jax.Array) -> Window:
+    """The whole vector as a window."""
+    return cls(accumulated, jnp.int32(0), accumulated.shape[0])
+
+  @classmethod
+  def around(cls, accumulated: jax.Array, begin: jax.Array, length: int) -> Window:
+    """The ``length`` elements from ``begin`` (shifted left to fit inside ``N``)."""
+    num_elements = accumulated.shape[0]
+    offset = jnp.clip(begin, 0, num_elements - length).astype(jnp.int32)
+    return cls(jax.lax.dynamic_slice(accumulated, (offset,), (length,)), offset, num_elements)
+
+  def passes(self, begin, end, threshold) -> Callable[[jax.Array], jax.Array]:
+    """``local ids -> begin <= global id < end and |value| >= threshold``."""
+
+    def passes(ids):
+      global_ids = self.offset + ids
+      return (global_ids >= begin) & (global_ids < end) & (jnp.abs(self.values[ids]) >= threshold)
+
+    return passes
+
+  def local_ids(self) -> jax.Array:
+    return jnp.arange(self.values.shape[0], dtype=jnp.int32)
 
 
 class Selection(NamedTuple):
@@ -186,36 +211,27 @@ class Selection(NamedTuple):
   sent: jax.Array
 
 
-def _passes(accumulated, begin, end, threshold):
-  """``ids -> begin <= ids < end and |a[ids]| >= threshold``."""
-
-  def passes(ids):
-    return (ids >= begin) & (ids < end) & (jnp.abs(accumulated[ids]) >= threshold)
-
-  return passes
-
-
 def count_in_window(
-    accumulated: jax.Array, begin: jax.Array, end: jax.Array, thresholds: jax.Array
+    window: Window, begin: jax.Array, end: jax.Array, thresholds: jax.Array
 ) -> jax.Array:
   """Elements of ``[begin, end)`` passing each threshold, in one pass.
 
   Args:
-    accumulated: float32 ``[N]``.
-    begin: int32 first index of the window.
-    end: int32 one past the last index of the window.
+    window: a `Window` that holds ``[begin, end)``.
+    begin: int32 first global index of the range.
+    end: int32 one past its last global index.
     thresholds: float32 ``[P]`` (``P`` static).
 
   Returns:
     int32 ``[P]`` counts.
   """
-  positions = jnp.arange(accumulated.shape[0], dtype=jnp.int32)
-  passes = [_passes(accumulated, begin, end, t)(positions) for t in thresholds]
+  ids = window.local_ids()
+  passes = [window.passes(begin, end, threshold)(ids) for threshold in thresholds]
   return jnp.sum(row_counts(passes), axis=0)
 
 
 def select_window(
-    accumulated: jax.Array,
+    window: Window,
     threshold: jax.Array,
     begin: jax.Array,
     end: jax.Array,
@@ -225,28 +241,29 @@ def select_window(
 ) -> Selection:
   """Selects ``|a| >= threshold`` inside ``[begin, end)``.
 
-  One pass over the vector counts the passing elements per row of 32; the
+  One pass over the window counts the passing elements per row of 32; the
   prefix sums and the compaction then work on row counts and on the few
   non-empty rows only.
 
   Args:
-    accumulated: float32 ``[N]`` accumulated gradient of this worker.
+    window: a `Window` that holds ``[begin, end)``.
     threshold: float32 scalar.
-    begin: int32 first index of the window.
-    end: int32 one past the last index of the window.
+    begin: int32 first global index of the range.
+    end: int32 one past its last global index.
     capacity: static buffer size ``C``.
     fallback_offset: if given and nothing passes, index
       ``begin + fallback_offset mod (end - begin)`` is sent alone (so every
       worker always sends something, as the reference does).
 
   Returns:
-    The `Selection`.
+    The `Selection`, with global indices.
   """
-  num_elements = accumulated.shape[0]
-  passes = _passes(accumulated, begin, end, threshold)
-  counts = row_counts([passes(jnp.arange(num_elements, dtype=jnp.int32))])[:, 0]
+  length = window.values.shape[0]
+  passes = window.passes(begin, end, threshold)
+  counts = row_counts([passes(window.local_ids())])[:, 0]
   passed = jnp.sum(counts)
-  indices = compact_rows(counts, passes, capacity, num_elements)
+  local = compact_rows(counts, passes, capacity, length)
+  indices = jnp.where(local < length, local + window.offset, window.num_elements)
   sent = passed
   if fallback_offset is not None:
     nothing = passed == 0
@@ -321,7 +338,11 @@ def aggregate_at(
   values = accumulated.at[flat_indices].get(mode="fill", fill_value=0)
   mean = jax.lax.psum(values, axis_name) / num_workers
   update = jnp.zeros(accumulated.shape, accumulated.dtype).at[flat_indices].set(mean, mode="drop")
-  residual = accumulated.at[flat_indices].set(0, mode="drop")
+  # Zeros computed from the gathered values: the data dependency orders the
+  # in-place clearing after every read of `accumulated`, which spares XLA a
+  # defensive copy of the whole vector.
+  zeros = jnp.where(jnp.isfinite(values), values * 0.0, 0.0)
+  residual = accumulated.at[flat_indices].set(zeros, mode="drop")
   return update, residual
 
 

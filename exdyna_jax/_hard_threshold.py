@@ -99,7 +99,7 @@ def hard_threshold(
     num_elements = accumulated.shape[0]
     value, slots = settings(num_elements)
     selection = _exchange.select_window(
-        accumulated, jnp.float32(value), 0, num_elements, capacity=slots
+        _exchange.Window.whole(accumulated), jnp.float32(value), 0, num_elements, capacity=slots
     )
     exchanged = _exchange.exchange(
         accumulated, selection.indices, selection.passed[None], axis_name

@@ -19,6 +19,16 @@ import optax
 from exdyna_jax import _exchange, _feedback, _options, _partition, _stats, _threshold
 
 
+def _window_length(num_elements: int, num_workers: int) -> int:
+  """Static slice length for selection: twice a fair share, in whole rows.
+
+  Partitions rebalanced to more than twice the fair share fall back to
+  scanning the whole vector (same result, more work).
+  """
+  fair_share = -(-num_elements // num_workers)
+  return min(num_elements, -(-2 * fair_share // _exchange.ROW) * _exchange.ROW)
+
+
 def partitioned_sparsifier(
     density: float,
     *,
@@ -69,15 +79,32 @@ def partitioned_sparsifier(
     partition = _partition.owned_partition(step, jax.lax.axis_index(axis_name), num_workers)
     begin, end = _partition.element_range(geometry, starts, sizes, partition)
 
-    # One global threshold, then exclusive selection and the shared exchange.
-    def measure(thresholds):
-      local = _exchange.count_in_window(accumulated, begin, end, thresholds)
-      return jax.lax.psum(local, axis_name)
+    # One global threshold, then exclusive selection, both on a slice that
+    # holds the partition; every worker takes the same branch (the sizes are
+    # the same everywhere), so the collective inside stays matched.
+    def choose_and_select(window):
+      def measure(thresholds):
+        local = _exchange.count_in_window(window, begin, end, thresholds)
+        return jax.lax.psum(local, axis_name)
 
-    threshold = threshold_controller.choose(stats.threshold, stats.selected, target, step, measure)
-    selection = _exchange.select_window(
-        accumulated, threshold, begin, end, capacity=capacity, fallback_offset=step
-    )
+      threshold = threshold_controller.choose(
+          stats.threshold, stats.selected, target, step, measure
+      )
+      selection = _exchange.select_window(
+          window, threshold, begin, end, capacity=capacity, fallback_offset=step
+      )
+      return threshold, selection
+
+    window_length = _window_length(num_elements, num_workers)
+    if window_length < num_elements:
+      longest = jnp.max(sizes) * geometry.block_size + geometry.remainder
+      threshold, selection = jax.lax.cond(
+          longest <= window_length,
+          lambda: choose_and_select(_exchange.Window.around(accumulated, begin, window_length)),
+          lambda: choose_and_select(_exchange.Window.whole(accumulated)),
+      )
+    else:
+      threshold, selection = choose_and_select(_exchange.Window.whole(accumulated))
     exchanged = _exchange.exchange(accumulated, selection.indices, selection.sent[None], axis_name)
 
     sent = exchanged.gathered_info[:, 0]
