@@ -326,3 +326,34 @@ def test_reference_mode_is_the_same_on_real_devices(runner: Callable[..., Any]) 
   assert np.all(difference <= 2 * UPDATE_RTOL * scale)
   # Partitions did move within these steps.
   assert np.any(stats["partition_sizes"] != stats["partition_sizes"][0])
+
+
+def test_partition_grown_past_the_selection_window_still_matches_model() -> None:
+  """Selection scans a slice of twice the fair share; longer partitions scan everything.
+
+  The last quarter of the vector is negligible, so the last partition keeps
+  taking blocks from its overloaded neighbour until it is longer than the
+  slice, and the run switches to the whole-vector branch mid-way. Both
+  branches must give the model's results.
+  """
+  num_workers, num_steps, capacity_factor = 8, 80, 4.0
+  size = num_elements()
+  profile = np.ones(size)
+  profile[3 * size // 4 :] = 1e-6
+  noise = np.random.default_rng(5).standard_t(3, size=(num_workers, num_steps, size))
+  flat_grads = (BASE_SCALE * profile * noise).astype(np.float32)
+  updates_tree, states, _ = run_vmap(
+      reference_transform(capacity_factor), params_template(), flat_to_tree(flat_grads)
+  )
+  updates, residuals, stats = implementation_outputs(
+      jax.device_get(updates_tree), jax.device_get(states)
+  )
+  model, records = run_model(flat_grads, capacity_factor)
+  for step, record in enumerate(records):
+    assert_step_matches(record, stats, updates, residuals, step)
+
+  window = 2 * -(-size // num_workers)
+  geometry = model.geometry
+  remainder = size - geometry.num_blocks * geometry.block_size
+  longest = stats["partition_sizes"].max(axis=1) * geometry.block_size + remainder
+  assert longest[0] <= window < longest[-1], "the run never left the window branch"
