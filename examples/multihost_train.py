@@ -1,0 +1,93 @@
+"""Multi-host training with hierarchical ExDyna: one process per host.
+
+On one machine, simulate 2 hosts with 2 CPU devices each::
+
+  python -m exdyna_jax.launch --processes 2 --devices-per-process 2 -- \\
+      python examples/multihost_train.py
+
+On real hosts, set the ``EXDYNA_*`` variables on each (see
+docs/multihost.md) and run ``python examples/multihost_train.py``.
+
+The mesh is ``("node", "local")`` = (processes, devices per process): the
+gradient is averaged densely over each host's devices and sparsified with
+ExDyna across hosts only.
+"""
+
+from exdyna_jax import launch
+
+launch.initialize_from_env()  # before anything else uses JAX
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax import P  # noqa: E402
+
+import exdyna_jax  # noqa: E402
+
+STEPS, FEATURES, OUTPUTS, BATCH_PER_DEVICE = 60, 128, 32, 16
+
+
+def main():
+  devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
+  assert all(len({d.process_index for d in row}) == 1 for row in devices)  # a row is a host
+  mesh = jax.sharding.Mesh(devices, ("node", "local"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  workers = P(("node", "local"))  # batch and per-device state: over all devices
+
+  tx = optax.chain(
+      exdyna_jax.hierarchical(exdyna_jax.exdyna(0.02, axis_name="node", num_blocks=64)),
+      optax.sgd(0.05, momentum=0.9),
+  )
+  params = {"w": jnp.zeros((FEATURES, OUTPUTS)), "b": jnp.zeros((OUTPUTS,))}
+
+  def loss_fn(p, x, y):
+    return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+  add = lambda tree: jax.tree.map(lambda v: v[None], tree)  # noqa: E731
+  drop = lambda tree: jax.tree.map(lambda v: v[0], tree)  # noqa: E731
+
+  def step(p, state, x, y):
+    loss, grads = jax.value_and_grad(loss_fn)(p, x, y)  # this device's own gradient
+    updates, state = tx.update(grads, drop(state), p)
+    loss = jax.lax.pmean(loss, ("node", "local"))
+    return optax.apply_updates(p, updates), add(state), loss
+
+  init = jax.jit(
+      jax.shard_map(lambda p: add(tx.init(p)), mesh=mesh, in_specs=P(), out_specs=workers)
+  )
+  train_step = jax.jit(
+      jax.shard_map(
+          step,
+          mesh=mesh,
+          in_specs=(P(), workers, workers, workers),
+          out_specs=(P(), workers, P()),
+          check_vma=False,  # keep each device's gradient local (no hidden psum)
+      )
+  )
+
+  rng = np.random.default_rng(0)  # same stream on every process
+  true_w = rng.normal(size=(FEATURES, OUTPUTS)).astype(np.float32)
+  batch = BATCH_PER_DEVICE * jax.device_count()
+  sharding = jax.sharding.NamedSharding(mesh, workers)
+
+  def global_batch(value):
+    return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+
+  state = init(params)
+  for t in range(STEPS):
+    x = rng.normal(size=(batch, FEATURES)).astype(np.float32)
+    y = x @ true_w
+    params, state, loss = train_step(params, state, global_batch(x), global_batch(y))
+    # Block every step: on CPU (gloo) with several devices per process, the
+    # processes deadlock once the host runs ~32 steps ahead (docs/multihost.md).
+    jax.block_until_ready(loss)
+    if jax.process_index() == 0 and t % 10 == 0:
+      # Per-device state is not fully addressable: read this process's shard.
+      threshold = exdyna_jax.get_stats(state).threshold.addressable_shards[0].data[0]
+      print(f"step {t:3d}  loss {float(loss):9.4f}  threshold {float(threshold):.4f}")
+  if jax.process_index() == 0:
+    print(f"final loss {float(loss):.4f}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,218 @@
+"""The demo's outputs: per-step JSON lines, a summary table and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from exdyna_jax.demo.trainer import MethodRun
+
+
+class JsonLinesWriter:
+  """Appends one JSON object per line to ``path`` (flushed per record)."""
+
+  def __init__(self, path: pathlib.Path):
+    self.path = path
+    self._file: TextIO = path.open("w")
+
+  def write(self, record: dict[str, Any]) -> None:
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
+
+
+def read_json_lines(path: pathlib.Path) -> list[dict[str, Any]]:
+  """The records of a JSON-lines file."""
+  with path.open() as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def summarize(run: MethodRun, dense_hlo_bytes: int | None) -> dict[str, Any]:
+  """One method's headline numbers (a row of the table).
+
+  Args:
+    run: the `MethodRun`.
+    dense_hlo_bytes: HLO bytes per worker per step of ``dense`` on the same
+      model, for the ratio (``None``: not available).
+
+  Returns:
+    A flat dict: the final metrics, ``density`` (mean achieved),
+    ``median_k_error``, ``overflow_per_step`` (mean), ``hlo_bytes``,
+    ``stats_bytes``, ``ratio_to_dense`` (from HLO bytes), ``median_step_ms``
+    (without the first step) and ``final_loss`` (mean of the last 10 steps).
+  """
+  records = run.records
+  timed = records[1:] or records
+  summary = {"method": run.method, **run.final_metrics}
+  summary.update(
+      final_loss=statistics.fmean(r["loss"] for r in records[-10:]),
+      density=statistics.fmean(r["density"] for r in records),
+      median_k_error=statistics.median(r["k_error"] for r in records),
+      overflow_per_step=statistics.fmean(r["overflow"] for r in records),
+      hlo_bytes=run.hlo_bytes,
+      stats_bytes=records[-1]["bytes_sent"],
+      ratio_to_dense=None if not dense_hlo_bytes else run.hlo_bytes / dense_hlo_bytes,
+      median_step_ms=1e3 * statistics.median(r["step_time_s"] for r in timed),
+      num_elements=run.num_elements,
+      target=run.target,
+  )
+  return summary
+
+
+def _format_bytes(num_bytes: float) -> str:
+  for unit in ("B", "kB", "MB", "GB"):
+    if abs(num_bytes) < 1000 or unit == "GB":
+      return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+    num_bytes /= 1000
+  raise AssertionError("unreachable")
+
+
+def format_table(summaries: Sequence[dict[str, Any]], metric: str) -> str:
+  """The comparison table, one row per method, as aligned plain text.
+
+  Args:
+    summaries: `summarize` results; a ``dense`` row, if any, is the baseline
+      of the metric difference.
+    metric: the headline metric key, e.g. ``"test_accuracy"``.
+
+  Returns:
+    The table, with a legend line under it.
+  """
+  baseline = next((s for s in summaries if s["method"] == "dense"), None)
+  is_accuracy = "accuracy" in metric
+  header = [
+      "method", metric.replace("_", " "), "vs dense", "density", "med |K/k-1|",
+      "overflow/step", "bytes/worker/step (HLO)", "(stats)", "vs dense (HLO)", "step ms",
+  ]
+  rows = []
+  for s in summaries:
+    value = s[metric]
+    shown = f"{100 * value:.2f} %" if is_accuracy else f"{value:.4f}"
+    if baseline is None or s is baseline:
+      delta = "-"
+    elif is_accuracy:
+      delta = f"{100 * (value - baseline[metric]):+.2f} pt"
+    else:
+      delta = f"{100 * (value / baseline[metric] - 1):+.2f} %"
+    ratio = s["ratio_to_dense"]
+    rows.append([
+        s["method"], shown, delta, f"{s['density']:.4%}", f"{s['median_k_error']:.2%}",
+        f"{s['overflow_per_step']:.1f}", _format_bytes(s["hlo_bytes"]),
+        _format_bytes(s["stats_bytes"]),
+        "-" if ratio is None else f"{ratio:.3%} (1/{1 / ratio:.0f})",
+        f"{s['median_step_ms']:.1f}",
+    ])
+  widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+  lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True))
+           for row in [header, *rows]]
+  lines.insert(1, "  ".join("-" * width for width in widths))
+  lines.append(
+      "density = indices exchanged / N; |K/k-1| = selected vs target k; bytes = what one "
+      "worker sends per step (ring collectives), counted from the compiled HLO (stats: "
+      "the library's own count)."
+  )
+  return "\n".join(lines)
+
+
+def plot_runs(runs: Sequence[MethodRun], metric: str, out_dir: pathlib.Path) -> list[pathlib.Path]:
+  """Writes the PNG plots of a comparison and returns their paths.
+
+  - ``loss.png``: training loss and the held-out metric vs step, per method.
+  - ``density_threshold.png``: achieved density and threshold vs step.
+  - ``partitions.png``: partition boundaries over time (methods with
+    partitions, e.g. ExDyna's rebalancing).
+  - ``bytes.png``: bytes per worker per step (stats per step, HLO dashed).
+
+  Args:
+    runs: the `MethodRun` of each method.
+    metric: the held-out metric key to plot.
+    out_dir: where to write.
+
+  Returns:
+    The written paths.
+  """
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  written = []
+
+  def save(fig, name):
+    path = out_dir / name
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+  fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(11, 4))
+  for run in runs:
+    steps = [r["step"] for r in run.records]
+    ax_loss.plot(steps, [r["loss"] for r in run.records], label=run.method, lw=1)
+    evaluated = [r for r in run.records if metric in r]
+    ax_metric.plot([r["step"] for r in evaluated], [r[metric] for r in evaluated],
+                   marker="o", ms=3, label=run.method)
+  ax_loss.set(xlabel="step", ylabel="training loss", yscale="log", title="training loss")
+  ax_metric.set(xlabel="step", ylabel=metric.replace("_", " "), title=metric.replace("_", " "))
+  ax_loss.legend()
+  ax_metric.legend()
+  save(fig, "loss.png")
+
+  sparse = [run for run in runs if run.method != "dense"]
+  fig, (ax_density, ax_threshold) = plt.subplots(1, 2, figsize=(11, 4))
+  for run in sparse:
+    steps = [r["step"] for r in run.records]
+    ax_density.plot(steps, [r["density"] for r in run.records], label=f"{run.method} sent", lw=1)
+    ax_density.plot(steps, [r["selected"] / run.num_elements for r in run.records], lw=1,
+                    ls=":", label=f"{run.method} selected K/N")
+    ax_threshold.plot(steps, [r["threshold"] for r in run.records], label=run.method, lw=1)
+  for run in sparse[:1]:
+    ax_density.axhline(run.target / run.num_elements, color="k", ls="--", lw=1, label="target")
+  ax_density.set(xlabel="step", ylabel="fraction of N", yscale="log", title="density")
+  ax_threshold.set(xlabel="step", ylabel="threshold", yscale="log", title="threshold")
+  if sparse:
+    ax_density.legend(fontsize=8)
+    ax_threshold.legend(fontsize=8)
+  save(fig, "density_threshold.png")
+
+  partitioned = [run for run in runs if len(set(run.records[-1]["partition_starts"])) > 1]
+  if partitioned:
+    fig, axes = plt.subplots(1, len(partitioned), figsize=(5.5 * len(partitioned), 4),
+                             squeeze=False)
+    for ax, run in zip(axes[0], partitioned, strict=True):
+      steps = [r["step"] for r in run.records]
+      total = sum(run.records[0]["partition_sizes"])
+      num_partitions = len(run.records[0]["partition_starts"])
+      for p in range(1, num_partitions):
+        ax.plot(steps, [r["partition_starts"][p] / total for r in run.records], lw=1)
+      ax.set(xlabel="step", ylabel="boundary (fraction of the gradient)", ylim=(0, 1),
+             title=f"{run.method}: partition boundaries")
+    save(fig, "partitions.png")
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for i, run in enumerate(runs):
+    color = f"C{i}"
+    steps = [r["step"] for r in run.records]
+    ax.plot(steps, [r["bytes_sent"] for r in run.records], color=color, lw=1,
+            label=f"{run.method} (stats)")
+    ax.axhline(run.hlo_bytes, color=color, ls="--", lw=1, label=f"{run.method} (HLO)")
+  ax.set(xlabel="step", ylabel="bytes sent per worker", yscale="log", title="traffic per step")
+  ax.legend(fontsize=8)
+  save(fig, "bytes.png")
+  return written
+
+
+def format_rows(rows: Sequence[dict[str, Any]]) -> str:
+  """A list of flat dicts (same keys) as an aligned plain-text table."""
+  header = list(rows[0])
+  cells = [[str(row[key]) for key in header] for row in rows]
+  widths = [max(len(line[i]) for line in [header, *cells]) for i in range(len(header))]
+  lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True))
+           for line in [header, *cells]]
+  lines.insert(1, "  ".join("-" * width for width in widths))
+  return "\n".join(lines)

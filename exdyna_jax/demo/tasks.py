@@ -1,0 +1,74 @@
+"""The demo's tasks: a model, real bundled data, and a held-out score."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from exdyna_jax.demo import data
+from exdyna_jax.demo.trainer import Task
+
+DIGITS_LAYER_SIZES = (64, 256, 256, 10)
+
+
+def init_mlp(key: jax.Array, sizes: tuple[int, ...]) -> list[dict[str, jax.Array]]:
+  """He-initialised dense layers ``[{"w": [a, b], "b": [b]}, ...]``."""
+  layers = []
+  for fan_in, fan_out in itertools.pairwise(sizes):
+    key, sub = jax.random.split(key)
+    layers.append({
+        "w": jax.random.normal(sub, (fan_in, fan_out)) * jnp.sqrt(2.0 / fan_in),
+        "b": jnp.zeros((fan_out,)),
+    })
+  return layers
+
+
+def mlp_logits(layers: list[dict[str, jax.Array]], x: jax.Array) -> jax.Array:
+  """ReLU MLP; the last layer is linear."""
+  for layer in layers[:-1]:
+    x = jax.nn.relu(x @ layer["w"] + layer["b"])
+  return x @ layers[-1]["w"] + layers[-1]["b"]
+
+
+def digits_task(layer_sizes: tuple[int, ...] = DIGITS_LAYER_SIZES) -> Task:
+  """An MLP on scikit-learn's bundled digits, scored by test accuracy.
+
+  Args:
+    layer_sizes: input, hidden and output widths (85,002 parameters by
+      default).
+
+  Returns:
+    The `Task`.
+  """
+  split = data.load_digits_split()
+
+  def loss_fn(params, inputs, targets):
+    logits = mlp_logits(params, inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+  def evaluate(params):
+    logits = mlp_logits(params, split.x_test)
+    return {
+        "test_accuracy": jnp.mean(jnp.argmax(logits, -1) == split.y_test),
+        "test_loss": optax.softmax_cross_entropy_with_integer_labels(
+            logits, split.y_test).mean(),
+    }
+
+  def sample_batch(rng: np.random.Generator, global_batch: int):
+    idx = rng.integers(0, len(split.x_train), global_batch)
+    return split.x_train[idx], split.y_train[idx]
+
+  return Task(
+      name="digits",
+      init_params=lambda key: init_mlp(key, layer_sizes),
+      loss_fn=loss_fn,
+      evaluate=evaluate,
+      sample_batch=sample_batch,
+  )
+
+
+TASKS = {"digits": digits_task}

@@ -1,0 +1,322 @@
+"""Local multi-process launcher for testing multi-host training on one machine.
+
+Starts ``--processes`` copies of a command on 127.0.0.1, each told through
+environment variables who it is, where the coordinator listens and how many
+CPU devices it owns; the worker calls `initialize_from_env` before anything
+else touches JAX. The launcher forwards every line the workers print with a
+``[rank r]`` prefix, and stops all of them (the whole process group of each,
+with SIGKILL: JAX ignores SIGTERM in some states) as soon as one exits with a
+non-zero code, or when ``--timeout`` expires. It never waits unboundedly.
+
+Example::
+
+  python -m exdyna_jax.launch --processes 2 --devices-per-process 2 -- \\
+      python examples/multihost_train.py
+
+Worker side::
+
+  from exdyna_jax import launch
+  launch.initialize_from_env()  # first thing: before any JAX computation
+  import jax
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+
+The same environment variables work on real hosts (one process per host):
+set them yourself, or call ``jax.distributed.initialize`` directly. See
+``docs/multihost.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+COORDINATOR_ENV = "EXDYNA_COORDINATOR"
+NUM_PROCESSES_ENV = "EXDYNA_NUM_PROCESSES"
+PROCESS_ID_ENV = "EXDYNA_PROCESS_ID"
+DEVICES_PER_PROCESS_ENV = "EXDYNA_DEVICES_PER_PROCESS"
+INIT_TIMEOUT_ENV = "EXDYNA_INIT_TIMEOUT"
+HEARTBEAT_TIMEOUT_ENV = "EXDYNA_HEARTBEAT_TIMEOUT"
+
+DEFAULT_TIMEOUT = 600.0
+DEFAULT_INIT_TIMEOUT = 60
+DEFAULT_HEARTBEAT_TIMEOUT = 20
+# Exit codes of the launcher itself (a failed worker's own code is passed on).
+TIMEOUT_EXIT_CODE = 124
+
+
+def _env_int(environ: Mapping[str, str], name: str) -> int | None:
+  value = environ.get(name)
+  if value is None or value == "":
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f"{name}={value!r} is not an integer.") from None
+
+
+def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
+  """Joins the multi-process run described by the ``EXDYNA_*`` variables.
+
+  Reads ``EXDYNA_COORDINATOR`` (``host:port`` of process 0),
+  ``EXDYNA_NUM_PROCESSES``, ``EXDYNA_PROCESS_ID``, and optionally
+  ``EXDYNA_DEVICES_PER_PROCESS`` (CPU devices to create in this process),
+  ``EXDYNA_INIT_TIMEOUT`` (seconds to wait for every process to join) and
+  ``EXDYNA_HEARTBEAT_TIMEOUT`` (seconds after which a silent process is
+  declared dead and the others are stopped). Call it before any JAX
+  computation. Without ``EXDYNA_NUM_PROCESSES`` (or with 1 process) it only
+  sets the CPU device count and returns ``False``: the script then runs as a
+  single process, unchanged.
+
+  Args:
+    environ: the environment to read (default ``os.environ``).
+
+  Returns:
+    Whether ``jax.distributed.initialize`` was called.
+
+  Raises:
+    ValueError: if the variables are inconsistent or not integers.
+  """
+  import jax
+
+  environ = os.environ if environ is None else environ
+  devices = _env_int(environ, DEVICES_PER_PROCESS_ENV)
+  if devices is not None:
+    if devices < 1:
+      raise ValueError(f"{DEVICES_PER_PROCESS_ENV} must be at least 1, got {devices}.")
+    jax.config.update("jax_num_cpu_devices", devices)
+  num_processes = _env_int(environ, NUM_PROCESSES_ENV)
+  if num_processes is None or num_processes == 1:
+    return False
+  process_id = _env_int(environ, PROCESS_ID_ENV)
+  coordinator = environ.get(COORDINATOR_ENV)
+  if process_id is None or not coordinator:
+    raise ValueError(
+        f"{NUM_PROCESSES_ENV}={num_processes} needs {PROCESS_ID_ENV} and "
+        f"{COORDINATOR_ENV} (host:port of process 0) as well."
+    )
+  if not 0 <= process_id < num_processes:
+    raise ValueError(f"{PROCESS_ID_ENV}={process_id} is outside [0, {num_processes}).")
+  init_timeout = _env_int(environ, INIT_TIMEOUT_ENV) or DEFAULT_INIT_TIMEOUT
+  heartbeat = _env_int(environ, HEARTBEAT_TIMEOUT_ENV) or DEFAULT_HEARTBEAT_TIMEOUT
+  jax.distributed.initialize(
+      coordinator_address=coordinator,
+      num_processes=num_processes,
+      process_id=process_id,
+      initialization_timeout=init_timeout,
+      heartbeat_timeout_seconds=heartbeat,
+      # A process that ends early must not keep the others waiting at exit.
+      shutdown_timeout_seconds=heartbeat,
+  )
+  return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+  """A TCP port that is free right now (bind to port 0 and let the OS pick)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    sock.bind((host, 0))
+    return sock.getsockname()[1]
+
+
+def _forward(stream, rank: int, sink, lock: threading.Lock) -> None:
+  prefix = f"[rank {rank}] "
+  for raw in iter(stream.readline, b""):
+    line = raw.decode("utf-8", errors="replace").rstrip("\n")
+    with lock:
+      sink.write(prefix + line + "\n")
+      sink.flush()
+  stream.close()
+
+
+# Runs first in each worker (a fresh, single-threaded interpreter): asks Linux
+# to SIGKILL it when the launcher dies, then becomes the worker's command.
+# Workers lead their own sessions, so killing the launcher's process group (as
+# a test's hard timeout does) would not reach them otherwise. (A preexec_fn
+# would do the same before exec, but is unsafe in a multithreaded parent.)
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+if sys.platform.startswith("linux"):
+  ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+  if os.getppid() != int(sys.argv[1]):  # the launcher died before prctl
+    sys.exit(137)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+  """SIGKILL to the worker's whole process group (it leads its own session)."""
+  with contextlib.suppress(ProcessLookupError, PermissionError):
+    os.killpg(proc.pid, signal.SIGKILL)
+
+
+def launch(
+    command: Sequence[str],
+    *,
+    processes: int,
+    devices_per_process: int = 1,
+    timeout: float = DEFAULT_TIMEOUT,
+    init_timeout: int = DEFAULT_INIT_TIMEOUT,
+    heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT,
+    env: Mapping[str, str] | None = None,
+    stdout=None,
+    stderr=None,
+) -> int:
+  """Runs ``command`` as ``processes`` cooperating JAX processes on this machine.
+
+  Args:
+    command: the program and its arguments, e.g. ``["python", "train.py"]``.
+    processes: number of processes.
+    devices_per_process: CPU devices each process creates.
+    timeout: seconds after which every process is killed.
+    init_timeout: seconds ``jax.distributed.initialize`` waits for all
+      processes to join.
+    heartbeat_timeout: seconds after which the coordination service declares
+      a silent process dead.
+    env: base environment (default ``os.environ``); the ``EXDYNA_*``
+      variables, ``JAX_PLATFORMS=cpu`` and
+      ``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo`` are set on top.
+    stdout: where workers' standard output goes, prefixed (default
+      ``sys.stdout``).
+    stderr: where workers' standard error and the launcher's own messages go,
+      prefixed (default ``sys.stderr``).
+
+  Returns:
+    0 if every process exited with 0; otherwise the exit code of the first
+    process that failed (``128 + signal`` if it was killed by a signal), or
+    `TIMEOUT_EXIT_CODE` on timeout.
+
+  Raises:
+    ValueError: for fewer than one process or device, or an empty command.
+  """
+  if processes < 1 or devices_per_process < 1:
+    raise ValueError("processes and devices_per_process must be at least 1.")
+  if not command:
+    raise ValueError("No command to launch.")
+  stdout = sys.stdout if stdout is None else stdout
+  stderr = sys.stderr if stderr is None else stderr
+  lock = threading.Lock()
+
+  def say(message: str) -> None:
+    with lock:
+      stderr.write(f"[launch] {message}\n")
+      stderr.flush()
+
+  base = dict(os.environ if env is None else env)
+  base.update(
+      {
+          "JAX_PLATFORMS": "cpu",
+          "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+          "PYTHONUNBUFFERED": "1",
+          COORDINATOR_ENV: f"127.0.0.1:{free_port()}",
+          NUM_PROCESSES_ENV: str(processes),
+          DEVICES_PER_PROCESS_ENV: str(devices_per_process),
+          INIT_TIMEOUT_ENV: str(init_timeout),
+          HEARTBEAT_TIMEOUT_ENV: str(heartbeat_timeout),
+      }
+  )
+  workers: list[subprocess.Popen] = []
+  threads: list[threading.Thread] = []
+  try:
+    for rank in range(processes):
+      proc = subprocess.Popen(
+          [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command],
+          env={**base, PROCESS_ID_ENV: str(rank)},
+          stdin=subprocess.DEVNULL,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.PIPE,
+          start_new_session=True,  # its own process group: killed as a whole
+      )
+      workers.append(proc)
+    for rank, proc in enumerate(workers):
+      for stream, sink in ((proc.stdout, stdout), (proc.stderr, stderr)):
+        thread = threading.Thread(target=_forward, args=(stream, rank, sink, lock), daemon=True)
+        thread.start()
+        threads.append(thread)
+
+    deadline = time.monotonic() + timeout
+    result = 0
+    while True:
+      codes = [proc.poll() for proc in workers]
+      failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+      if failed:
+        rank, code = failed[0]
+        running = [r for r, c in enumerate(codes) if c is None]
+        reason = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        say(
+            f"rank {rank} {reason}; stopping the "
+            f"{len(running)} process(es) still running: ranks {running}."
+        )
+        result = 128 - code if code < 0 else code
+        break
+      if all(code == 0 for code in codes):
+        break
+      if time.monotonic() > deadline:
+        running = [r for r, c in enumerate(codes) if c is None]
+        say(f"timeout after {timeout:g} s; killing ranks {running}.")
+        result = TIMEOUT_EXIT_CODE
+        break
+      time.sleep(0.05)
+  finally:
+    for proc in workers:
+      _kill_group(proc)  # also reaps grandchildren of finished workers
+    for proc in workers:
+      with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+    for thread in threads:
+      thread.join(timeout=5)
+  return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Command line: ``python -m exdyna_jax.launch [options] -- command ...``."""
+  parser = argparse.ArgumentParser(
+      prog="python -m exdyna_jax.launch",
+      description=(
+          "Run a command as several cooperating JAX processes on 127.0.0.1 "
+          "(CPU devices, gloo collectives). The command must call "
+          "exdyna_jax.launch.initialize_from_env() before using JAX."
+      ),
+  )
+  parser.add_argument("--processes", type=int, default=2, help="number of processes")
+  parser.add_argument(
+      "--devices-per-process", type=int, default=1, help="CPU devices in each process"
+  )
+  parser.add_argument(
+      "--timeout", type=float, default=DEFAULT_TIMEOUT, help="kill everything after (s)"
+  )
+  parser.add_argument(
+      "--init-timeout",
+      type=int,
+      default=DEFAULT_INIT_TIMEOUT,
+      help="seconds to wait for all processes to join",
+  )
+  parser.add_argument(
+      "--heartbeat-timeout",
+      type=int,
+      default=DEFAULT_HEARTBEAT_TIMEOUT,
+      help="seconds after which a silent process is declared dead",
+  )
+  parser.add_argument("command", nargs=argparse.REMAINDER, help="-- program args...")
+  args = parser.parse_args(argv)
+  command = args.command[1:] if args.command[:1] == ["--"] else args.command
+  if not command:
+    parser.error("no command given (put it after --)")
+  return launch(
+      command,
+      processes=args.processes,
+      devices_per_process=args.devices_per_process,
+      timeout=args.timeout,
+      init_timeout=args.init_timeout,
+      heartbeat_timeout=args.heartbeat_timeout,
+  )
+
+
+if __name__ == "__main__":
+  sys.exit(main())

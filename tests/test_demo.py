@@ -1,0 +1,109 @@
+"""The demo: outputs, the table, and traffic counted from the compiled HLO."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from exdyna_jax import _cli
+from exdyna_jax.demo import report, traffic
+
+STEPS = 12
+PLOTS = ("loss.png", "density_threshold.png", "partitions.png", "bytes.png")
+
+
+def control_bytes(collectives):
+  """Bytes of the small integer all-reduces (threshold probes, non-finite count)."""
+  return sum(
+      c.bytes_sent for c in collectives
+      if c.kind == "all-reduce"
+      and all(dtype == "s32" and len(dims) <= 1 and sum(dims) <= 16 for dtype, dims in c.shapes)
+  )
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+  """One in-process CLI run, shared by the tests below."""
+  run_dir = tmp_path_factory.mktemp("demo")
+  code = _cli.main([
+      "demo", "--method", "exdyna", "--density", "0.01", "--steps", str(STEPS),
+      "--eval-every", "6", "--run-dir", str(run_dir), "--no-progress",
+  ])
+  assert code == 0
+  return run_dir
+
+
+def test_demo_writes_metrics_table_and_plots(demo_run, capsys):
+  for method in ("dense", "exdyna"):
+    records = report.read_json_lines(demo_run / f"metrics-{method}.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert {"loss", "density", "threshold", "partition_starts", "bytes_sent"} <= set(records[0])
+    assert "test_accuracy" in records[5] and "test_accuracy" in records[-1]
+    first, last = records[0]["loss"], sum(r["loss"] for r in records[-3:]) / 3
+    assert last < first, (method, first, last)
+  for plot in PLOTS:
+    assert (demo_run / plot).stat().st_size > 1000, plot
+  table = (demo_run / "table.txt").read_text()
+  assert "bytes/worker/step (HLO)" in table
+  assert table.splitlines()[3].startswith("dense") and table.splitlines()[4].startswith("exdyna")
+
+
+def test_printed_traffic_ratio_is_the_compiled_programs(demo_run):
+  summary = json.loads((demo_run / "summary.json").read_text())
+  rows = {row["method"]: row for row in summary["summaries"]}
+  for method, row in rows.items():
+    collectives = [traffic.Collective(**c) for c in summary["collectives"][method]]
+    hlo = sum(c.bytes_sent for c in collectives)
+    assert row["hlo_bytes"] == hlo
+    # The stats' own count agrees with the HLO up to the small integer
+    # control all-reduces (threshold probes, non-finite count) it leaves out.
+    assert row["stats_bytes"] in (hlo, hlo - control_bytes(collectives)), (method, row)
+  assert rows["dense"]["ratio_to_dense"] == 1.0
+  ratio = rows["exdyna"]["hlo_bytes"] / rows["dense"]["hlo_bytes"]
+  assert rows["exdyna"]["ratio_to_dense"] == pytest.approx(ratio)
+  assert 0.01 < ratio < 0.05  # 1 % of the indices and values, with 1.5x buffers
+  assert f"{ratio:.3%}" in (demo_run / "table.txt").read_text()
+  # No dense all-reduce hides in the ExDyna step: nothing gradient-sized.
+  num_elements = rows["exdyna"]["num_elements"]
+  for c in summary["collectives"]["exdyna"]:
+    assert sum(dims[0] if dims else 1 for _, dims in c["shapes"]) < num_elements // 10
+
+
+def test_hlo_parser_prices_ring_collectives():
+  hlo = """
+  %a = (f32[128]{0}, f32[]) all-reduce(%x, %y), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}
+  %b = s32[8,17]{1,0} all-gather(%z), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}
+  %c = s32[4,20]{1,0} collective-permute(%w), channel_id=3, source_target_pairs={{0,4}}
+  %d = f32[16]{0} reduce-scatter(%v), replica_groups={{0,1},{2,3}}, dimensions={0}
+  %e = f32[128]{0} add(%a, %a)
+  """
+  found = traffic.collectives(hlo, num_devices=8)
+  assert [c.kind for c in found] == [
+      "all-reduce", "all-gather", "collective-permute", "reduce-scatter"]
+  assert [c.bytes_sent for c in found] == [2 * 7 * 516 // 8, 7 * 544 // 8, 320, 64]
+  assert traffic.bytes_per_worker(hlo, 8) == sum(c.bytes_sent for c in found)
+
+
+def test_cli_help_and_bad_arguments(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    _cli.main(["demo", "--help"])
+  assert exit_info.value.code == 0
+  help_text = capsys.readouterr().out
+  for flag in ("--method", "--density", "--steps", "--warmup-steps", "--run-dir"):
+    assert flag in help_text
+  with pytest.raises(SystemExit):
+    _cli.main(["demo", "--method", "nope"])
+  assert "unknown method" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    _cli.main(["demo", "--density", "2"])
+
+
+def test_python_dash_m_entry_point():
+  result = subprocess.run(
+      [sys.executable, "-m", "exdyna_jax", "demo", "--help"],
+      capture_output=True, text=True, timeout=60, check=True,
+  )
+  assert "exdyna-jax demo" in result.stdout

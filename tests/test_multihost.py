@@ -1,0 +1,230 @@
+"""Several JAX processes on 127.0.0.1 (jax.distributed, CPU devices, gloo).
+
+Every run goes through a subprocess with a hard timeout that SIGKILLs its
+whole process group (the launcher's workers also die with the launcher), so
+no test can hang:
+
+* 2 processes x 2 CPU devices reproduce the single-process 4-device run of
+  the same ExDyna steps (shard_map path and `data_parallel` under jit);
+* a process that never joins, or dies mid-run, makes the others exit with a
+  clear error within a bounded time, with and without the launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from exdyna_jax import launch
+
+WORKER = str(Path(__file__).with_name("multihost_worker.py"))
+HARD_TIMEOUT = 150.0  # seconds, per subprocess; a healthy run takes ~20 s
+
+
+def _start(command, env=None) -> subprocess.Popen:
+  return subprocess.Popen(
+      command,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      stdin=subprocess.DEVNULL,
+      start_new_session=True,
+      text=True,
+  )
+
+
+def _finish(proc: subprocess.Popen, timeout: float = HARD_TIMEOUT) -> tuple[int, str, str, float]:
+  """Waits at most ``timeout`` s; on expiry SIGKILLs the process group and fails."""
+  start = time.monotonic()
+  try:
+    out, err = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    out, err = proc.communicate()
+    pytest.fail(f"timed out after {timeout} s (killed)\nstdout:\n{out}\nstderr:\n{err[-3000:]}")
+  return proc.returncode, out, err, time.monotonic() - start
+
+
+def _launcher(processes, devices, *worker_args, init_timeout=30, heartbeat=10, timeout=120):
+  command = [
+      sys.executable,
+      "-m",
+      "exdyna_jax.launch",
+      f"--processes={processes}",
+      f"--devices-per-process={devices}",
+      f"--init-timeout={init_timeout}",
+      f"--heartbeat-timeout={heartbeat}",
+      f"--timeout={timeout}",
+      "--",
+      sys.executable,
+      WORKER,
+      *worker_args,
+  ]
+  return _start(command)
+
+
+def test_two_processes_reproduce_the_single_process_run(tmp_path):
+  single_out, multi_out = tmp_path / "single.npz", tmp_path / "multi.npz"
+  runs = [_launcher(1, 4, str(single_out)), _launcher(2, 2, str(multi_out))]
+  results = [_finish(proc) for proc in runs]
+  for code, _, err, _ in results:
+    assert code == 0, err[-3000:]
+  _, out, _, _ = results[1]
+  assert "[rank 0] process 0/2: 2 local of 4 devices" in out
+  assert "[rank 1] process 1/2: 2 local of 4 devices" in out
+  assert "[rank 1] done" in out
+
+  single, multi = np.load(single_out), np.load(multi_out)
+  for name in ("updates_w", "updates_b", "residual", "dp_w"):
+    np.testing.assert_allclose(multi[name], single[name], rtol=1e-6, atol=1e-6, err_msg=name)
+  np.testing.assert_allclose(multi["dp_losses"], single["dp_losses"], rtol=1e-6, atol=1e-6)
+  for name in (
+      "threshold",
+      "selected",
+      "transmitted",
+      "workloads",
+      "partition_starts",
+      "partition_sizes",
+      "dp_thresholds",
+  ):
+    np.testing.assert_array_equal(multi[name], single[name], err_msg=name)
+
+  # The run is not trivial: ExDyna sent something and moved its partitions,
+  # and the updates are identical on every worker.
+  assert np.all(single["selected"] > 0)
+  sizes = single["partition_sizes"][0]
+  assert len({tuple(row) for row in sizes}) > 1
+  np.testing.assert_array_equal(multi["updates_w"], multi["updates_w"][:1].repeat(4, 0))
+
+
+def test_a_process_that_never_joins_fails_the_run():
+  proc = _launcher(2, 2, "unused.npz", "--hang-rank=1", init_timeout=4)
+  code, out, err, elapsed = _finish(proc, timeout=90)
+  assert code != 0
+  assert "[rank 1] never joining" in out
+  # Rank 0 gives up on its own after the initialization timeout; the launcher
+  # then kills the process that never joined.
+  assert "DEADLINE_EXCEEDED" in err, err[-3000:]
+  assert "[launch] rank 0" in err
+  assert elapsed < 60
+
+
+def test_a_process_that_dies_stops_the_launcher():
+  proc = _launcher(2, 2, "unused.npz", "--die-at=0", "--die-rank=1")
+  code, out, err, elapsed = _finish(proc, timeout=90)
+  assert code == 17, err[-3000:]
+  assert "[rank 1] dying at step 0" in out
+  assert "[launch] rank 1 exited with code 17; stopping the 1 process(es)" in err
+  assert elapsed < 60
+
+
+@pytest.mark.parametrize("dying", [1, 0])  # 0 also hosts the coordination service
+def test_survivor_exits_on_its_own_when_a_process_dies(dying):
+  """Without the launcher, the heartbeat of jax.distributed stops the survivor."""
+  env = dict(
+      os.environ,
+      JAX_PLATFORMS="cpu",
+      **{
+          launch.COORDINATOR_ENV: f"127.0.0.1:{launch.free_port()}",
+          launch.NUM_PROCESSES_ENV: "2",
+          launch.DEVICES_PER_PROCESS_ENV: "2",
+          launch.INIT_TIMEOUT_ENV: "30",
+          launch.HEARTBEAT_TIMEOUT_ENV: "3",
+      },
+  )
+  procs = [
+      _start(
+          [sys.executable, WORKER, "unused.npz", "--die-at=0", f"--die-rank={dying}"],
+          env={**env, launch.PROCESS_ID_ENV: str(rank)},
+      )
+      for rank in range(2)
+  ]
+  results = [_finish(proc, timeout=90) for proc in procs]
+  assert results[dying][0] == 17
+  code, _, err, _ = results[1 - dying]
+  assert code != 0
+  assert "Terminating process because the JAX distributed service detected fatal errors" in err
+  if dying == 1:
+    assert "stopped sending heartbeats" in err
+
+
+def test_launcher_rejects_bad_arguments():
+  with pytest.raises(ValueError, match="at least 1"):
+    launch.launch(["true"], processes=0)
+  with pytest.raises(ValueError, match="No command"):
+    launch.launch([], processes=1)
+  with pytest.raises(ValueError, match="needs EXDYNA_PROCESS_ID"):
+    launch.initialize_from_env({launch.NUM_PROCESSES_ENV: "2"})
+  with pytest.raises(ValueError, match="outside"):
+    launch.initialize_from_env(
+        {
+            launch.NUM_PROCESSES_ENV: "2",
+            launch.PROCESS_ID_ENV: "2",
+            launch.COORDINATOR_ENV: "127.0.0.1:1",
+        }
+    )
+  assert launch.initialize_from_env({}) is False
+
+
+def test_launcher_timeout_kills_everything():
+  command = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"]
+  lines = []
+
+  class Sink:
+    def write(self, text):
+      lines.append(text)
+
+    def flush(self):
+      pass
+
+  start = time.monotonic()
+  code = launch.launch(command, processes=2, timeout=2.0, stdout=Sink(), stderr=Sink())
+  assert code == launch.TIMEOUT_EXIT_CODE
+  assert time.monotonic() - start < 20
+  text = "".join(lines)
+  assert "[rank 0] up" in text and "[rank 1] up" in text
+  assert "[launch] timeout after 2 s; killing ranks [0, 1]" in text
+
+
+def _gone(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/status") as status:
+      return any(line.split()[:2] == ["State:", "Z"] for line in status)  # zombie: dead
+  except FileNotFoundError:
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
+def test_workers_die_with_the_launcher():
+  """A hard kill of the launcher (as a test timeout does) takes its workers along."""
+  command = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(600)"
+  launcher = [sys.executable, "-m", "exdyna_jax.launch", "--processes=2", "--timeout=60"]
+  proc = subprocess.Popen(
+      [*launcher, "--", sys.executable, "-c", command],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.DEVNULL,
+      start_new_session=True,
+      text=True,
+  )
+  pids = []
+  try:
+    deadline = time.monotonic() + 60
+    while len(pids) < 2 and time.monotonic() < deadline:
+      line = proc.stdout.readline()
+      if " pid " in line:
+        pids.append(int(line.split()[-1]))
+    assert len(pids) == 2
+  finally:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+  deadline = time.monotonic() + 10
+  while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert all(_gone(pid) for pid in pids)
