@@ -5,6 +5,7 @@ from exdyna_jax._dense import DenseState, dense
 from exdyna_jax._exdyna import exdyna
 from exdyna_jax._feedback import ErrorFeedbackState
 from exdyna_jax._hard_threshold import hard_threshold
+from exdyna_jax._hierarchical import hierarchical
 from exdyna_jax._micro import micro
 from exdyna_jax._registry import available_sparsifiers, get_sparsifier
 from exdyna_jax._sharding import DataParallel, data_parallel
@@ -27,6 +28,7 @@ __all__ = [
     "get_sparsifier",
     "get_stats",
     "hard_threshold",
+    "hierarchical",
     "micro",
     "spardl",
     "topk",
