@@ -33,6 +33,10 @@ def cltk(density: float, *, axis_name: str = "data") -> optax.GradientTransforma
   worker inside ``jax.shard_map``, ``jax.pmap`` or ``jax.vmap(axis_name=)``,
   on the worker's local, unreduced gradient, first in an ``optax.chain``.
 
+  Non-finite gradients are handled as in `exdyna`: if any worker's accumulated gradient
+  holds a NaN or an infinity, every worker skips the step (zero update,
+  state unchanged) and ``stats.nonfinite`` / ``stats.skipped_steps`` count it.
+
   Args:
     density: fraction ``d`` of gradient elements to send, in ``(0, 1]``.
     axis_name: name of the data-parallel axis.

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax import _exchange, _layout, _stats
+from exdyna_jax import _exchange, _feedback, _layout, _stats
 
 
 class DenseState(NamedTuple):
@@ -33,6 +33,10 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
   worker inside ``jax.shard_map``, ``jax.pmap`` or ``jax.vmap(axis_name=)``,
   on the worker's local, unreduced gradient, first in an ``optax.chain``.
 
+  Non-finite gradients are handled as in `exdyna`: if any worker's gradient
+  holds a NaN or an infinity, every worker skips the step (zero update,
+  state unchanged) and ``stats.nonfinite`` / ``stats.skipped_steps`` count it.
+
   Args:
     axis_name: name of the data-parallel axis.
 
@@ -52,7 +56,9 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
     del extra_args
     layout = _layout.gradient_layout(updates, params, None)
     num_workers = _exchange.axis_size(axis_name)
+    _stats.check_num_workers(state.stats, num_workers, axis_name)
     _exchange.check_local(updates, axis_name)
+    nonfinite = _feedback.count_nonfinite(updates, axis_name)
     total = jax.lax.psum(
         jax.tree.map(lambda g: g.astype(_layout.ACCUMULATION_DTYPE), updates), axis_name
     )
@@ -70,6 +76,6 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
             num_workers, layout.num_elements * _exchange.VALUE_BYTES
         ),
     )
-    return mean, DenseState(stats)
+    return _feedback.skip_if_nonfinite(nonfinite, lambda: (mean, DenseState(stats)), state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -51,6 +51,14 @@ def exdyna(
     updates, opt_state = tx.update(local_grads, opt_state, params)
     stats = optax.tree.get(opt_state, "stats")  # SparsifierStats
 
+  Non-finite gradients: if any worker's accumulated gradient ``g + m`` holds a
+  NaN or an infinity, every worker skips the step together: the update is
+  zero and the state (residual, threshold, partitions, step) keeps its
+  previous value, so nothing of the bad step resurfaces later;
+  ``stats.nonfinite`` counts the bad elements and ``stats.skipped_steps`` the
+  skipped steps. Do not wrap the sparsifier in ``optax.apply_if_finite``: it
+  decides per worker, so a NaN on some workers only would desynchronise them.
+
   Args:
     density: fraction of gradient elements to send per step, in ``(0, 1]``.
     axis_name: name of the data-parallel axis.

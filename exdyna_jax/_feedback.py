@@ -3,8 +3,18 @@
 ExDyna, MiCRO, Top-k, hard threshold and CLT-k differ only in how one step
 turns this worker's accumulated gradient ``a = g + m`` into the aggregated
 update, its new residual and the step's statistics. The shell does the rest:
-it checks the gradient tree, flattens it, adds the residual, and unflattens
-the update.
+it checks the gradient tree, flattens it, adds the residual, guards against
+non-finite gradients, and unflattens the update.
+
+Non-finite policy (every registered method, SparDL and dense included, through
+`count_nonfinite` and `skip_if_nonfinite`): if the accumulated gradient
+``g + m`` of *any* worker holds a NaN or an infinity, *every* worker skips the
+step. The update is zero, and the residual, threshold, partitions, workloads
+and step counter keep their previous values, so the bad values never enter
+the state; ``stats.nonfinite`` counts the bad elements over all workers and
+``stats.skipped_steps`` the skipped steps. The decision costs one int32
+``psum`` per step, and all workers take it together: a per-worker decision
+(as ``optax.apply_if_finite`` makes) would desynchronise the replicas.
 """
 
 from __future__ import annotations
@@ -73,12 +83,70 @@ def error_feedback_transform(
     del extra_args
     layout = _layout.gradient_layout(updates, params, state.residual.shape[0])
     num_workers = _exchange.axis_size(axis_name)
+    _stats.check_num_workers(state.stats, num_workers, axis_name)
     _exchange.check_local(updates, axis_name)
     accumulated = _layout.flatten(updates) + state.residual
-    update, residual, stats = sparsify(accumulated, state.stats, num_workers)
-    return _layout.unflatten(update, layout), ErrorFeedbackState(residual, stats)
+    nonfinite = count_nonfinite(accumulated, axis_name)
+
+    def step():
+      update, residual, stats = sparsify(accumulated, state.stats, num_workers)
+      return update, ErrorFeedbackState(residual, stats)
+
+    update, new_state = skip_if_nonfinite(nonfinite, step, state)
+    return _layout.unflatten(update, layout), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def count_nonfinite(values: Any, axis_name: str) -> jax.Array:
+  """NaN and infinite elements of every worker's ``values``, summed over the workers.
+
+  Args:
+    values: this worker's array, or pytree of arrays.
+    axis_name: the data-parallel axis.
+
+  Returns:
+    int32 scalar, identical on every worker (one ``psum``).
+  """
+  local = sum(
+      jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32) for leaf in jax.tree.leaves(values)
+  )
+  return jax.lax.psum(jnp.asarray(local, jnp.int32), axis_name)
+
+
+def skip_if_nonfinite(
+    nonfinite: jax.Array, step: Callable[[], tuple[Any, Any]], state: Any
+) -> tuple[Any, Any]:
+  """The non-finite policy, shared by every method: skip the step on all workers.
+
+  ``step`` runs inside a ``lax.cond``, so a finite step costs nothing extra
+  (no select over the residual) and a skipped one does no work. ``nonfinite``
+  is the same on every worker, so all of them take the same branch and the
+  collectives inside ``step`` stay matched.
+
+  Args:
+    nonfinite: int32 `count_nonfinite` of this step's accumulated gradients.
+    step: ``() -> (update, new_state)``, the step proper; the state has a
+      ``stats`` field.
+    state: the state before the step.
+
+  Returns:
+    ``step()`` when ``nonfinite == 0``; otherwise a zero update and ``state``
+    unchanged. Either way ``stats.nonfinite`` is set to ``nonfinite`` and
+    ``stats.skipped_steps`` counts the skipped steps.
+  """
+  skip = nonfinite > 0
+
+  def skipped():
+    update_shapes, _ = jax.eval_shape(step)
+    return jax.tree.map(lambda u: jnp.zeros(u.shape, u.dtype), update_shapes), state
+
+  update, kept = jax.lax.cond(skip, skipped, step)
+  stats = kept.stats._replace(
+      nonfinite=nonfinite,
+      skipped_steps=state.stats.skipped_steps + skip.astype(jnp.int32),
+  )
+  return update, kept._replace(stats=stats)
 
 
 # (accumulated [N], previous stats, n, k) -> (update [N], residual [N], stats)

@@ -44,6 +44,10 @@ def hard_threshold(
   worker inside ``jax.shard_map``, ``jax.pmap`` or ``jax.vmap(axis_name=)``,
   on the worker's local, unreduced gradient, first in an ``optax.chain``.
 
+  Non-finite gradients are handled as in `exdyna`: if any worker's accumulated gradient
+  holds a NaN or an infinity, every worker skips the step (zero update,
+  state unchanged) and ``stats.nonfinite`` / ``stats.skipped_steps`` count it.
+
   Args:
     density: fraction ``d`` setting the threshold ``1 / (2 sqrt(d N))`` and
       the default capacity.

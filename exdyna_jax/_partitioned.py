@@ -121,7 +121,12 @@ def partitioned_sparsifier(
         imbalance=_stats.imbalance_of(workloads),
         partition_starts=starts,
         partition_sizes=sizes,
-        bytes_sent=_stats.static_bytes(_exchange.exchange_bytes(num_workers, capacity, 1)),
+        bytes_sent=_stats.static_bytes(
+            _exchange.exchange_bytes(num_workers, capacity, 1)
+            + _exchange.ring_all_reduce_bytes(
+                num_workers, threshold_controller.num_probes * _exchange.INDEX_BYTES
+            )
+        ),
     )
     return exchanged.update, exchanged.residual, new_stats
 

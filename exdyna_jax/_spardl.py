@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from exdyna_jax import _exchange, _layout, _options, _stats
+from exdyna_jax import _exchange, _feedback, _layout, _options, _stats
 
 SCHEDULES = ("log", "ring")
 PAIR_BYTES = _exchange.INDEX_BYTES + _exchange.VALUE_BYTES
@@ -195,6 +195,10 @@ def spardl(
   density is then ``n / N``-ish, above the requested one, as
   ``stats.transmitted`` shows.
 
+  Non-finite gradients are handled as in `exdyna`: if any worker's accumulated gradient
+  holds a NaN or an infinity, every worker skips the step (zero update,
+  state unchanged) and ``stats.nonfinite`` / ``stats.skipped_steps`` count it.
+
   Args:
     density: fraction of gradient elements to send per step, in ``(0, 1]``.
     axis_name: name of the data-parallel axis.
@@ -263,85 +267,87 @@ def spardl(
     layout = _layout.gradient_layout(updates, params, state.residual.shape[0])
     num_elements = layout.num_elements
     num_workers = _exchange.axis_size(axis_name)
-    if state.stats.workloads.shape != (num_workers,):
-      raise ValueError(
-          f"The optimizer state was initialized for {state.stats.workloads.shape[0]} "
-          f"workers but axis {axis_name!r} has {num_workers}. Call init() inside the "
-          "same mapped context as update()."
-      )
+    _stats.check_num_workers(state.stats, num_workers, axis_name)
     _exchange.check_local(updates, axis_name)
     n = num_workers
     block, per_block = geometry(num_elements, n)
 
     accumulated = _layout.flatten(updates) + state.residual
-    blocks = jnp.pad(accumulated, (0, n * block - num_elements)).reshape(n, block)
-    rank = jax.lax.axis_index(axis_name)
-    # Rolled frame: row j is block (rank + j) mod n; row 0 is the owned block.
-    order = (rank + jnp.arange(n, dtype=jnp.int32)) % n
-    copies = blocks[order]
-    dropped = jnp.zeros_like(copies)
+    nonfinite = _feedback.count_nonfinite(accumulated, axis_name)
 
-    # Spar-Reduce-Scatter.
-    for round_ in _schedule(schedule, n):
-      send = np.asarray(round_.send_rows)
-      recv = np.asarray(round_.recv_rows)
-      indices, values, rest = _top_k(copies[send], per_block)
-      dropped = dropped.at[send].set(rest)
-      permutation = [(r, (r + round_.shift) % n) for r in range(n)]
-      # One message per round: the pairs as int32 [blocks, 2 k_b] (values bitcast).
-      message = jnp.concatenate(
-          [indices, jax.lax.bitcast_convert_type(values, jnp.int32)], axis=1
+    def step():
+      blocks = jnp.pad(accumulated, (0, n * block - num_elements)).reshape(n, block)
+      rank = jax.lax.axis_index(axis_name)
+      # Rolled frame: row j is block (rank + j) mod n; row 0 is the owned block.
+      order = (rank + jnp.arange(n, dtype=jnp.int32)) % n
+      copies = blocks[order]
+      dropped = jnp.zeros_like(copies)
+
+      # Spar-Reduce-Scatter.
+      for round_ in _schedule(schedule, n):
+        send = np.asarray(round_.send_rows)
+        recv = np.asarray(round_.recv_rows)
+        indices, values, rest = _top_k(copies[send], per_block)
+        dropped = dropped.at[send].set(rest)
+        permutation = [(r, (r + round_.shift) % n) for r in range(n)]
+        # One message per round: the pairs as int32 [blocks, 2 k_b] (values bitcast).
+        message = jnp.concatenate(
+            [indices, jax.lax.bitcast_convert_type(values, jnp.int32)], axis=1
+        )
+        message = jax.lax.ppermute(message, axis_name, permutation)
+        indices = message[:, :per_block]
+        values = jax.lax.bitcast_convert_type(message[:, per_block:], jnp.float32)
+        copies = copies.at[recv[:, None], indices].add(values)
+
+      # The owner's final top-k_b, then the Spar-All-Gather.
+      own_indices, own_values, own_rest = _top_k(copies[:1], per_block)
+      dropped = dropped.at[0].set(own_rest[0])
+      own = jnp.concatenate(
+          [own_indices[0], jax.lax.bitcast_convert_type(own_values[0], jnp.int32)]
       )
-      message = jax.lax.ppermute(message, axis_name, permutation)
-      indices = message[:, :per_block]
-      values = jax.lax.bitcast_convert_type(message[:, per_block:], jnp.float32)
-      copies = copies.at[recv[:, None], indices].add(values)
+      if _exchange._is_manual(axis_name):
+        gathered = jax.lax.all_gather(own, axis_name, to="invarying")
+      else:  # vmap(axis_name=...) has no invariant all_gather
+        gathered = jax.lax.all_gather(own, axis_name)
+      gathered_indices = gathered[:, :per_block]  # [n, k_b], in block coordinates
+      gathered_values = jax.lax.bitcast_convert_type(gathered[:, per_block:], jnp.float32)
+      block_offsets = jnp.arange(n, dtype=jnp.int32)[:, None] * block
+      flat_indices = (gathered_indices + block_offsets).reshape(-1)
+      # XLA computes this as a product with a rounded 1/n: within 1 ulp of the sum / n.
+      mean = gathered_values.reshape(-1) / n
+      update = jnp.zeros((n * block,), accumulated.dtype).at[flat_indices].set(mean)
 
-    # The owner's final top-k_b, then the Spar-All-Gather.
-    own_indices, own_values, own_rest = _top_k(copies[:1], per_block)
-    dropped = dropped.at[0].set(own_rest[0])
-    own = jnp.concatenate(
-        [own_indices[0], jax.lax.bitcast_convert_type(own_values[0], jnp.int32)]
-    )
-    if _exchange._is_manual(axis_name):
-      gathered = jax.lax.all_gather(own, axis_name, to="invarying")
-    else:  # vmap(axis_name=...) has no invariant all_gather
-      gathered = jax.lax.all_gather(own, axis_name)
-    gathered_indices = gathered[:, :per_block]  # [n, k_b], in block coordinates
-    gathered_values = jax.lax.bitcast_convert_type(gathered[:, per_block:], jnp.float32)
-    flat_indices = (gathered_indices + jnp.arange(n, dtype=jnp.int32)[:, None] * block).reshape(-1)
-    # XLA computes this as a product with a rounded 1/n: within 1 ulp of the sum / n.
-    mean = gathered_values.reshape(-1) / n
-    update = jnp.zeros((n * block,), accumulated.dtype).at[flat_indices].set(mean)
+      # Global residual collection: own originals outside the final lists, what
+      # this worker dropped inside them.
+      chosen = jnp.zeros((n * block,), bool).at[flat_indices].set(True)
+      unrolled = (jnp.arange(n, dtype=jnp.int32) - rank) % n
+      dropped_blocks = dropped[unrolled].reshape(-1)
+      residual = jnp.where(chosen, dropped_blocks, blocks.reshape(-1))[:num_elements]
+      update = update[:num_elements]
 
-    # Global residual collection: own originals outside the final lists, what
-    # this worker dropped inside them.
-    chosen = jnp.zeros((n * block,), bool).at[flat_indices].set(True)
-    unrolled = (jnp.arange(n, dtype=jnp.int32) - rank) % n
-    dropped_blocks = dropped[unrolled].reshape(-1)
-    residual = jnp.where(chosen, dropped_blocks, blocks.reshape(-1))[:num_elements]
-    update = update[:num_elements]
+      real = gathered_indices + jnp.arange(n, dtype=jnp.int32)[:, None] * block < num_elements
+      workloads = jnp.sum(real, axis=1, dtype=jnp.int32)
+      transmitted = jnp.sum(workloads)
+      threshold = jnp.min(jnp.where(real, jnp.abs(gathered_values) / n, jnp.inf))
+      threshold = jnp.where(transmitted > 0, threshold, 0.0).astype(jnp.float32)
+      rounds = rounds_of(n, per_block)
+      stats = state.stats
+      new_stats = _stats.SparsifierStats(
+          step=stats.step + 1,
+          threshold=threshold,
+          selected=transmitted,
+          transmitted=transmitted,
+          overflow=jnp.zeros((), jnp.int32),
+          workloads=workloads,
+          imbalance=_stats.imbalance_of(workloads),
+          partition_starts=stats.partition_starts,
+          partition_sizes=stats.partition_sizes,
+          bytes_sent=_stats.static_bytes(2 * (n - 1) * per_block * PAIR_BYTES),
+      )
+      new_state = SparDLState(residual=residual, stats=new_stats, rounds=rounds)
+      return update, new_state
 
-    real = gathered_indices + jnp.arange(n, dtype=jnp.int32)[:, None] * block < num_elements
-    workloads = jnp.sum(real, axis=1, dtype=jnp.int32)
-    transmitted = jnp.sum(workloads)
-    threshold = jnp.min(jnp.where(real, jnp.abs(gathered_values) / n, jnp.inf))
-    threshold = jnp.where(transmitted > 0, threshold, 0.0).astype(jnp.float32)
-    rounds = rounds_of(n, per_block)
-    stats = state.stats
-    new_stats = _stats.SparsifierStats(
-        step=stats.step + 1,
-        threshold=threshold,
-        selected=transmitted,
-        transmitted=transmitted,
-        overflow=jnp.zeros((), jnp.int32),
-        workloads=workloads,
-        imbalance=_stats.imbalance_of(workloads),
-        partition_starts=stats.partition_starts,
-        partition_sizes=stats.partition_sizes,
-        bytes_sent=_stats.static_bytes(2 * (n - 1) * per_block * PAIR_BYTES),
-    )
-    new_state = SparDLState(residual=residual, stats=new_stats, rounds=rounds)
+    update, new_state = _feedback.skip_if_nonfinite(nonfinite, step, state)
     return _layout.unflatten(update, layout), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 INT32_MAX = 2**31 - 1
@@ -37,6 +38,14 @@ class SparsifierStats(NamedTuple):
       for methods without partitions: every worker scans the whole vector).
     bytes_sent: int32 bytes this worker sent in the last step's collectives,
       as ring algorithms move them (static: the buffers have fixed size).
+    nonfinite: int32 NaN or infinite elements in the last step's accumulated
+      gradients ``g + m``, summed over all workers. When it is nonzero every
+      worker skipped that step: the update was zero and every other field,
+      the residual included, kept its value from the step before. (The
+      int32 ``psum`` behind it is a control message that ``bytes_sent``
+      leaves out.)
+    skipped_steps: int32 steps skipped so far because of non-finite
+      gradients (they are not counted in ``step``).
   """
 
   step: jax.Array
@@ -49,6 +58,10 @@ class SparsifierStats(NamedTuple):
   partition_starts: jax.Array
   partition_sizes: jax.Array
   bytes_sent: jax.Array
+  # Owned by the non-finite guard every update runs through
+  # (`exdyna_jax._feedback.skip_if_nonfinite`): a sparsification step need not set them.
+  nonfinite: jax.Array = np.int32(0)
+  skipped_steps: jax.Array = np.int32(0)
 
 
 def initial_stats(
@@ -68,6 +81,38 @@ def initial_stats(
       partition_starts=jnp.asarray(partition_starts, jnp.int32),
       partition_sizes=jnp.asarray(partition_sizes, jnp.int32),
       bytes_sent=zero,
+      nonfinite=zero,
+      skipped_steps=zero,
+  )
+
+
+def check_num_workers(stats: SparsifierStats, num_workers: int, axis_name: str) -> None:
+  """Rejects a state initialized (or restored) for another number of workers.
+
+  Every state keeps per-worker and per-partition arrays of length ``n`` (and
+  each worker its own residual), so it cannot move to another ``n``. The
+  check is static (shapes only): it costs nothing at run time.
+
+  Args:
+    stats: the state's `SparsifierStats`.
+    num_workers: size of ``axis_name`` in the calling context.
+    axis_name: the data-parallel axis, for the message.
+
+  Raises:
+    ValueError: if ``stats.workloads`` does not have length ``num_workers``.
+  """
+  shape = tuple(np.shape(stats.workloads))
+  if shape == (num_workers,):
+    return
+  initialized_for = shape[0] if len(shape) == 1 else f"an unknown number of (shape {shape})"
+  raise ValueError(
+      f"The optimizer state was initialized for {initialized_for} workers but axis "
+      f"{axis_name!r} has {num_workers}. A sparsifier's state is per worker (each "
+      "worker's residual, and per-partition arrays of length n), so it cannot move to "
+      "another number of workers: restore the checkpoint on a mesh of "
+      f"{initialized_for} devices, or start the sparsifier from a fresh init() inside "
+      "the new mesh (its residuals, the gradient mass not yet sent, start from zero). "
+      "Also call init() inside the same mapped context as update()."
   )
 
 

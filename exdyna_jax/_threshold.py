@@ -65,11 +65,14 @@ class ThresholdController(NamedTuple):
     choose: ``(previous_threshold, previous_selected, target, step, measure)
       -> threshold`` for this step; ``measure`` counts, over all workers, the
       elements of this step's accumulated gradients passing given thresholds.
+    num_probes: how many thresholds ``choose`` measures per step (the int32
+      counts it all-reduces).
   """
 
   name: str
   initial_threshold: Callable[[int], float]
   choose: Callable[[jax.Array, jax.Array, int, jax.Array, Measure], jax.Array]
+  num_probes: int
 
 
 def hard_threshold_rule(target: int) -> float:
@@ -131,8 +134,10 @@ def _adaptive_choose(previous, selected, target, step, measure):
 
 
 CONTROLLERS = {
-    "reference": ThresholdController("reference", hard_threshold_rule, _reference_choose),
-    "adaptive": ThresholdController("adaptive", hard_threshold_rule, _adaptive_choose),
+    "reference": ThresholdController("reference", hard_threshold_rule, _reference_choose, 0),
+    "adaptive": ThresholdController(
+        "adaptive", hard_threshold_rule, _adaptive_choose, len(ADAPTIVE_PROBE_RATIOS)
+    ),
 }
 
 

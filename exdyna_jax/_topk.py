@@ -30,6 +30,10 @@ def topk(density: float, *, axis_name: str = "data") -> optax.GradientTransforma
   worker inside ``jax.shard_map``, ``jax.pmap`` or ``jax.vmap(axis_name=)``,
   on the worker's local, unreduced gradient, first in an ``optax.chain``.
 
+  Non-finite gradients are handled as in `exdyna`: if any worker's accumulated gradient
+  holds a NaN or an infinity, every worker skips the step (zero update,
+  state unchanged) and ``stats.nonfinite`` / ``stats.skipped_steps`` count it.
+
   Args:
     density: fraction ``d`` of gradient elements each worker picks, in
       ``(0, 1]``.

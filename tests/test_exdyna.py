@@ -33,15 +33,14 @@ def mixed_params():
   }
 
 
-def uneven_grads(key, params, num_workers, steps, dtype=jnp.float32):
-  """Heavy-tailed per-worker gradients whose scale varies strongly by leaf."""
+def uneven_grads(seed, params, num_workers, steps, dtype=jnp.float32):
+  """Heavy-tailed (Student-t) per-worker gradients whose scale varies strongly by leaf."""
+  rng = np.random.default_rng(seed)
   leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(key, len(leaves))
   out = []
-  for i, (k, leaf) in enumerate(zip(keys, leaves, strict=True)):
-    scale = 10.0 ** (i - 2)
-    draw = jax.random.t(k, 3.0, (num_workers, steps, *leaf.shape)) * scale
-    out.append(draw.astype(dtype))
+  for i, leaf in enumerate(leaves):
+    draw = rng.standard_t(3.0, (num_workers, steps, *leaf.shape)) * 10.0 ** (i - 2)
+    out.append(jnp.asarray(draw, dtype))
   return jax.tree.unflatten(treedef, out)
 
 
@@ -55,7 +54,7 @@ def flat(tree, leading=2):
 @pytest.fixture(scope="module")
 def adaptive_run():
   params = mixed_params()
-  grads = uneven_grads(jax.random.key(0), params, N_WORKERS, 40)
+  grads = uneven_grads(0, params, N_WORKERS, 60)
   tx = exdyna_jax.exdyna(0.01, num_blocks=BLOCKS)
   updates, states, final = harness.run_vmap(tx, params, grads)
   return params, grads, updates, states, final
@@ -110,7 +109,7 @@ def test_partitions_cover_all_blocks_and_respect_the_minimum(adaptive_run):
 
 def test_stats_are_readable_from_a_chained_state_in_one_line():
   params = mixed_params()
-  grads = uneven_grads(jax.random.key(1), params, N_WORKERS, 3)
+  grads = uneven_grads(1, params, N_WORKERS, 3)
   tx = optax.chain(exdyna_jax.exdyna(0.01, num_blocks=BLOCKS), optax.sgd(0.1, momentum=0.9))
   _, _, final = harness.run_vmap(tx, params, grads)
   stats = optax.tree.get(final, "stats")
@@ -120,12 +119,12 @@ def test_stats_are_readable_from_a_chained_state_in_one_line():
   assert (np.asarray(stats.bytes_sent) > 0).all()
 
 
-@pytest.mark.parametrize("controller", ["reference", "adaptive"])
-def test_shard_map_pmap_and_vmap_agree(controller):
+def test_shard_map_pmap_and_vmap_agree():
+  """The reference controller's agreement is in test_exdyna_reference.py."""
   n = 8
   params = mixed_params()
-  grads = uneven_grads(jax.random.key(2), params, n, 6)
-  tx = exdyna_jax.exdyna(0.01, num_blocks=BLOCKS, controller=controller)
+  grads = uneven_grads(2, params, n, 6)
+  tx = exdyna_jax.exdyna(0.01, num_blocks=BLOCKS)
   expected, expected_states, _ = harness.run_vmap(tx, params, grads)
   for run in (harness.run_pmap, harness.run_shard_map):
     updates, states, _ = run(tx, params, grads)
@@ -141,7 +140,7 @@ def test_shard_map_with_varying_types_returns_invariant_updates():
   n = 8
   params = mixed_params()
   tx = exdyna_jax.exdyna(0.01, num_blocks=BLOCKS)
-  grads = jax.tree.map(lambda g: g[:, 0], uneven_grads(jax.random.key(3), params, n, 1))
+  grads = jax.tree.map(lambda g: g[:, 0], uneven_grads(3, params, n, 1))
 
   def step(grads):
     state = tx.init(params)
@@ -173,7 +172,7 @@ def test_gradients_already_summed_by_shard_map_are_rejected():
 def test_no_retracing_over_many_steps():
   params = mixed_params()
   tx = exdyna_jax.exdyna(0.01, num_blocks=BLOCKS)
-  grads = uneven_grads(jax.random.key(4), params, N_WORKERS, 1)
+  grads = uneven_grads(4, params, N_WORKERS, 1)
   grads = jax.tree.map(lambda g: g[:, 0], grads)
 
   @jax.jit
@@ -189,7 +188,7 @@ def test_no_retracing_over_many_steps():
 
 def test_bfloat16_gradients_give_bfloat16_updates_and_conserve_mass():
   params = {"w": jnp.zeros((128, 300), jnp.bfloat16), "b": jnp.zeros((300,), jnp.bfloat16)}
-  grads = uneven_grads(jax.random.key(5), params, N_WORKERS, 10, dtype=jnp.bfloat16)
+  grads = uneven_grads(5, params, N_WORKERS, 10, dtype=jnp.bfloat16)
   tx = exdyna_jax.exdyna(0.01, num_blocks=BLOCKS)
   updates, states, _ = harness.run_vmap(tx, params, grads)
   chex.assert_trees_all_equal_dtypes(updates, grads)
@@ -203,24 +202,22 @@ def test_bfloat16_gradients_give_bfloat16_updates_and_conserve_mass():
   np.testing.assert_allclose(kept, accumulated, rtol=2**-7, atol=1e-6)
 
 
-def test_adaptive_controller_holds_the_target_density():
-  """Median |K/k - 1| within 3 % from step 20 on (uneven heavy-tailed gradients)."""
-  params = mixed_params()
-  grads = uneven_grads(jax.random.key(6), params, N_WORKERS, 60)
-  tx = exdyna_jax.exdyna(0.01, num_blocks=BLOCKS)
-  _, states, _ = harness.run_vmap(tx, params, grads)
+def test_adaptive_controller_holds_the_target_density(adaptive_run):
+  """Median |K/k - 1| within 3 % from step 20 on (uneven heavy-tailed gradients).
+
+  The published rule, from the same start, moves the threshold by at most
+  0.5 % per step: its first step is off by far more, the adaptive one is not.
+  """
+  params, _, _, states, _ = adaptive_run
   num_elements = sum(x.size for x in jax.tree.leaves(params))
   ratio = np.asarray(states.stats.selected[0]) / int(0.01 * num_elements)
   assert np.median(np.abs(ratio[20:] - 1)) <= 0.03, ratio
-  reference = exdyna_jax.exdyna(0.01, num_blocks=BLOCKS, controller="reference")
-  _, reference_states, _ = harness.run_vmap(reference, params, grads)
-  reference_ratio = np.asarray(reference_states.stats.selected[0]) / int(0.01 * num_elements)
-  assert np.median(np.abs(reference_ratio[20:] - 1)) > np.median(np.abs(ratio[20:] - 1))
+  assert np.all(np.abs(ratio[5:] - 1) <= 0.25), ratio
 
 
 def test_overflow_stays_in_the_residual():
   params = mixed_params()
-  grads = uneven_grads(jax.random.key(7), params, N_WORKERS, 3)
+  grads = uneven_grads(7, params, N_WORKERS, 3)
   tx = exdyna_jax.exdyna(0.01, num_blocks=BLOCKS, capacity_factor=0.25, controller="reference")
   updates, states, _ = harness.run_vmap(tx, params, grads)
   stats = jax.tree.map(lambda x: np.asarray(x)[0], states.stats)

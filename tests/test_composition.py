@@ -1,0 +1,243 @@
+"""The sparsifier inside optax and flax: what composes, in which order, and what is refused.
+
+Rule of thumb: the sparsifier sees each worker's local gradient, so it comes
+first in the chain; everything that should act on the aggregated gradient
+(clipping, weight decay, momentum, learning-rate schedules) comes after it.
+Gradient accumulation wraps the whole chain, so that the sparsifier runs
+(and communicates) once per real step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax import P
+
+import exdyna_jax
+from tests import harness
+
+NUM_WORKERS = 4
+SHAPES = {"b": (40,), "w": (24, 40)}  # 1,000 elements
+DENSITY = 0.05
+
+
+def sparsifier():
+  """Top-k: the composition is the shared shell's, and Top-k compiles fastest."""
+  return exdyna_jax.topk(DENSITY)
+
+
+def partitioned_sparsifier():
+  """ExDyna, where the step counter also rotates and rebalances partitions."""
+  return exdyna_jax.exdyna(DENSITY, num_blocks=16)
+
+
+def params():
+  rng = np.random.default_rng(7)
+  return {name: jnp.asarray(rng.normal(size=shape), jnp.float32) for name, shape in SHAPES.items()}
+
+
+@functools.cache
+def gradients(steps: int, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  return {
+      name: rng.standard_t(3, size=(NUM_WORKERS, steps, *shape)).astype(np.float32)
+      for name, shape in SHAPES.items()
+  }
+
+
+@functools.cache
+def sparse_updates(steps: int):
+  """What the sparsifier alone outputs for `gradients(steps)`, ``[n, T, ...]``."""
+  return harness.run_vmap(sparsifier(), params(), gradients(steps))[0]
+
+
+def assert_close(actual, expected):
+  jax.tree.map(
+      lambda a, e: np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=2e-6, atol=1e-7),
+      actual,
+      expected,
+  )
+
+
+# ---------------------------------------------------------------- MultiSteps
+
+
+@pytest.mark.parametrize(
+    "runner", [harness.run_vmap, harness.run_shard_map], ids=["vmap", "shard_map"]
+)
+def test_multisteps_around_the_chain_sparsifies_once_per_real_step(runner):
+  """MultiSteps(chain(sparsifier, sgd)): micro-batches are averaged locally, then
+  sparsified (and exchanged) once, as one step on the mean gradient."""
+  micro_steps, real_steps = 3, 2
+  grads = gradients(micro_steps * real_steps)
+  tx = optax.MultiSteps(
+      optax.chain(partitioned_sparsifier(), optax.sgd(0.1)), every_k_schedule=micro_steps
+  )
+  updates, states, _ = runner(tx, params(), grads)
+
+  stats = exdyna_jax.get_stats(states)
+  np.testing.assert_array_equal(np.asarray(stats.step)[0], [0, 0, 1, 1, 1, 2])
+  mean_grads = jax.tree.map(
+      lambda g: g.reshape(NUM_WORKERS, real_steps, micro_steps, *g.shape[2:]).mean(axis=2), grads
+  )
+  expected = jax.tree.map(
+      lambda u: -0.1 * u, harness.run_vmap(partitioned_sparsifier(), params(), mean_grads)[0]
+  )
+  emitted = jax.tree.map(lambda u: u[:, micro_steps - 1 :: micro_steps], updates)
+  assert_close(emitted, expected)
+  for t in range(micro_steps * real_steps):
+    if (t + 1) % micro_steps:
+      for leaf in jax.tree.leaves(updates):
+        np.testing.assert_array_equal(np.asarray(leaf)[:, t], 0)
+
+
+def test_multisteps_inside_the_chain_sparsifies_every_micro_batch():
+  """chain(sparsifier, MultiSteps(sgd)) is legal but pays the exchange on every
+  micro-batch and accumulates sparse updates: wrap the whole chain instead."""
+  grads = gradients(4)
+  tx = optax.chain(partitioned_sparsifier(), optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
+  _, states, _ = harness.run_vmap(tx, params(), grads)
+  np.testing.assert_array_equal(np.asarray(exdyna_jax.get_stats(states).step)[0], [1, 2, 3, 4])
+
+
+# ------------------------------------------------ transforms after the sparsifier
+
+
+def test_clipping_and_weight_decay_after_the_sparsifier_see_the_aggregated_update():
+  grads = gradients(3)
+  clip, decay, lr = 0.5, 1e-2, 0.1
+  tx = optax.chain(
+      sparsifier(),
+      optax.clip_by_global_norm(clip),
+      optax.add_decayed_weights(decay),
+      optax.sgd(lr),
+  )
+  updates, _, _ = harness.run_vmap(tx, params(), grads)
+
+  sparse = sparse_updates(3)
+  norm = jnp.sqrt(sum(jnp.sum(u**2, axis=tuple(range(2, u.ndim))) for u in jax.tree.leaves(sparse)))
+  assert (norm > clip).all(), "the test must exercise the clipping"
+  scale = jnp.minimum(1.0, clip / norm)
+  expected = jax.tree.map(
+      lambda u, p: -lr * (u * scale.reshape(scale.shape + (1,) * (u.ndim - 2)) + decay * p),
+      sparse,
+      params(),
+  )
+  assert_close(updates, expected)
+  for leaf in jax.tree.leaves(updates):
+    leaf = np.asarray(leaf)
+    np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape))
+
+
+def test_schedule_and_inject_hyperparams_drive_the_downstream_learning_rate():
+  grads = gradients(4)
+  schedule = optax.exponential_decay(0.1, transition_steps=1, decay_rate=0.5)
+  for downstream in (optax.sgd(schedule), optax.inject_hyperparams(optax.sgd)(schedule)):
+    updates, states, _ = harness.run_vmap(optax.chain(sparsifier(), downstream), params(), grads)
+    rates = schedule(jnp.arange(4))
+    expected = jax.tree.map(
+        lambda u, r=rates: -r.reshape((1, 4) + (1,) * (u.ndim - 2)) * u, sparse_updates(4)
+    )
+    assert_close(updates, expected)
+  # The state records the rate each step used.
+  np.testing.assert_allclose(
+      np.asarray(states[1].hyperparams["learning_rate"])[0], schedule(jnp.arange(4)), rtol=1e-6
+  )
+
+
+def test_inject_hyperparams_around_the_whole_chain_needs_density_static():
+  """density sizes the static buffers, so it cannot be a traced hyperparameter."""
+
+  def chain(learning_rate, density):
+    return optax.chain(exdyna_jax.topk(density), optax.sgd(learning_rate))
+
+  grads = gradients(2)
+  tx = optax.inject_hyperparams(chain, static_args=("density",))(0.1, DENSITY)
+  updates, _, _ = harness.run_vmap(tx, params(), grads)
+  assert_close(updates, jax.tree.map(lambda u: -0.1 * u, sparse_updates(2)))
+
+  with pytest.raises(TypeError, match="density must be a number"):
+    harness.run_vmap(optax.inject_hyperparams(chain)(0.1, DENSITY), params(), grads)
+
+
+# ---------------------------------------------------------------- flax NNX
+
+
+class Linear(nnx.Module):
+  def __init__(self):
+    self.w = nnx.Param(params()["w"])
+    self.b = nnx.Param(params()["b"])
+
+  def __call__(self, x):
+    return x @ self.w + self.b
+
+
+def test_nnx_optimizer_runs_the_sparsifier_per_worker():
+  """nnx.Optimizer(model, chain(sparsifier, ...)) built and stepped per worker,
+  equals the plain optax loop and keeps the replicas identical."""
+  steps = 3
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(NUM_WORKERS, steps, 8, 24)).astype(np.float32)
+  y = rng.normal(size=(NUM_WORKERS, steps, 8, 40)).astype(np.float32)
+
+  def make_tx():
+    return optax.chain(sparsifier(), optax.sgd(0.1, momentum=0.9))
+
+  def loss(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+  def nnx_worker(x, y):
+    model = Linear()
+    optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
+    for t in range(steps):
+      optimizer.update(model, nnx.grad(loss)(model, x[t], y[t]))
+    return {"b": model.b[...], "w": model.w[...]}, exdyna_jax.get_stats(optimizer.opt_state)
+
+  def optax_worker(x, y):
+    tx, p = make_tx(), params()
+    state = tx.init(p)
+    for t in range(steps):
+      grads = jax.grad(lambda p, t=t: jnp.mean((x[t] @ p["w"] + p["b"] - y[t]) ** 2))(p)
+      updates, state = tx.update(grads, state, p)
+      p = optax.apply_updates(p, updates)
+    return p
+
+  run = lambda f: jax.jit(jax.vmap(f, axis_name=harness.AXIS))(x, y)  # noqa: E731
+  nnx_params, stats = run(nnx_worker)
+  expected = run(optax_worker)
+  assert_close(nnx_params, expected)
+  np.testing.assert_array_equal(np.asarray(stats.step), steps)
+  for leaf in jax.tree.leaves(nnx_params):
+    leaf = np.asarray(leaf)
+    np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape))
+  assert not np.allclose(np.asarray(nnx_params["w"])[0], params()["w"])
+
+
+# ---------------------------------------------------- what does not compose
+
+
+def test_a_transform_that_already_mixed_workers_before_the_sparsifier_is_refused():
+  """A pmean before the sparsifier pays the dense all-reduce it exists to avoid;
+  under shard_map(check_vma=True) the gradient type shows it and update raises."""
+  mean_over_workers = optax.GradientTransformation(
+      lambda p: optax.EmptyState(),
+      lambda u, s, p=None: (jax.lax.pmean(u, harness.AXIS), s),
+  )
+  tx = optax.chain(mean_over_workers, partitioned_sparsifier())
+  grads = jax.tree.map(lambda g: g[:, 0], gradients(1))
+
+  def step(grads):
+    state = tx.init(params())
+    return tx.update(jax.tree.map(lambda g: g[0], grads), state, params())[0]
+
+  fn = jax.shard_map(
+      step, mesh=harness.mesh_of(NUM_WORKERS), in_specs=P(harness.AXIS), out_specs=P()
+  )
+  with pytest.raises(ValueError, match=r"already summed across workers.*first in the chain"):
+    jax.jit(fn)(grads)

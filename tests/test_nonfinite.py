@@ -1,0 +1,196 @@
+"""Non-finite gradients: one bad step is skipped by every worker and leaves no trace.
+
+The policy (ALGORITHMS.md has none; `exdyna_jax._feedback` states it): if the
+accumulated gradient ``g + m`` of any worker holds a NaN or an infinity, every
+worker skips the step. The update is zero; residual, threshold, partitions,
+workloads and step counter keep their values; ``stats.nonfinite`` counts the
+bad elements over all workers and ``stats.skipped_steps`` the skipped steps.
+So a run with a bad step equals, from then on, the run without it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import exdyna_jax
+from tests import harness
+
+NUM_WORKERS = 4
+SHAPES = {"b": (40,), "w": (24, 40)}  # 1,000 elements
+OPTIONS = {"exdyna": {"density": 0.05, "num_blocks": 16}, "dense": {}}
+BAD_STEPS = (1, 3)
+
+
+def params():
+  return {name: jnp.zeros(shape) for name, shape in SHAPES.items()}
+
+
+def clean_gradients(steps: int) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(0)
+  return {
+      name: rng.standard_t(3, size=(NUM_WORKERS, steps, *shape)).astype(np.float32)
+      for name, shape in SHAPES.items()
+  }
+
+
+def with_bad_steps(grads):
+  """Step 1: one NaN on worker 1. Step 3: +inf on worker 0 and -inf on worker 3."""
+  grads = jax.tree.map(np.copy, grads)
+  grads["w"][1, 1, 5, 7] = np.nan
+  grads["b"][0, 3, 2] = np.inf
+  grads["w"][3, 3, 0, 0] = -np.inf
+  return grads
+
+
+def without_bad_steps(grads):
+  """The good steps, padded with repeats of the last one to the same length."""
+  num_steps = grads["w"].shape[1]
+  keep = [t for t in range(num_steps) if t not in BAD_STEPS]
+  keep += [keep[-1]] * (num_steps - len(keep))
+  return jax.tree.map(lambda g: g[:, keep], grads)
+
+
+def make(name):
+  return exdyna_jax.get_sparsifier(name, **OPTIONS.get(name, {"density": 0.05}))
+
+
+@functools.cache
+def runs(name):
+  """``(bad run, clean run without the bad steps)``, each ``(updates, states)``.
+
+  One compiled program runs both (same shapes), so they can be compared bit for bit.
+  """
+  run = jax.jit(
+      jax.vmap(
+          harness._scan_steps(make(name), params()),
+          axis_name=harness.AXIS,
+          axis_size=NUM_WORKERS,
+      )
+  )
+  grads = clean_gradients(6)
+  bad_updates, bad_states, _ = run(with_bad_steps(grads))
+  updates, states, _ = run(without_bad_steps(grads))
+  return harness.to_numpy((bad_updates, bad_states)), harness.to_numpy((updates, states))
+
+
+def at_step(tree, t):
+  return jax.tree.map(lambda x: x[:, t], tree)
+
+
+def without_guard_fields(state):
+  stats = optax.tree.get(state, "stats")
+  return optax.tree.set(state, stats=stats._replace(nonfinite=None, skipped_steps=None))
+
+
+@pytest.mark.parametrize("name", exdyna_jax.available_sparsifiers())
+def test_bad_step_is_skipped_by_every_worker_and_changes_no_state(name):
+  (updates, states), _ = runs(name)
+  for t in BAD_STEPS:
+    for leaf in jax.tree.leaves(at_step(updates, t)):
+      np.testing.assert_array_equal(leaf, 0)
+    before, after = (
+        without_guard_fields(at_step(states, t - 1)),
+        without_guard_fields(at_step(states, t)),
+    )
+    jax.tree.map(np.testing.assert_array_equal, after, before)  # residual, threshold, ...
+  stats = optax.tree.get(states, "stats")
+  np.testing.assert_array_equal(stats.nonfinite, [[0, 1, 0, 2, 0, 0]] * NUM_WORKERS)
+  np.testing.assert_array_equal(stats.skipped_steps, [[0, 1, 1, 2, 2, 2]] * NUM_WORKERS)
+  np.testing.assert_array_equal(stats.step, [[1, 1, 2, 2, 3, 4]] * NUM_WORKERS)
+
+
+@pytest.mark.parametrize("name", exdyna_jax.available_sparsifiers())
+def test_run_with_bad_steps_equals_the_run_without_them(name):
+  """Nothing of a bad step resurfaces later: not in the residual, not in the update."""
+  (bad_updates, bad_states), (updates, states) = runs(name)
+  good = [t for t in range(6) if t not in BAD_STEPS]
+  for leaf in jax.tree.leaves((bad_updates, bad_states)):
+    assert np.isfinite(leaf).all()
+  clean = range(len(good))
+  jax.tree.map(np.testing.assert_array_equal, at_step(bad_updates, good), at_step(updates, clean))
+  jax.tree.map(
+      np.testing.assert_array_equal,
+      without_guard_fields(at_step(bad_states, good)),
+      without_guard_fields(at_step(states, clean)),
+  )
+
+
+def test_a_whole_gradient_of_nan_on_one_worker_is_skipped_too():
+  grads = clean_gradients(2)
+  grads["w"][2, 0] = np.nan
+  grads["b"][2, 0] = np.nan
+  updates, states, _ = harness.run_vmap(make("topk"), params(), grads)
+  np.testing.assert_array_equal(np.asarray(updates["w"])[:, 0], 0)
+  np.testing.assert_array_equal(np.asarray(states.stats.nonfinite)[0], [1000, 0])
+  np.testing.assert_array_equal(np.asarray(states.residual)[:, 0], 0)
+  assert np.isfinite(np.asarray(states.residual)).all()
+
+
+def test_skip_is_the_same_under_shard_map_with_varying_types():
+  grads = with_bad_steps(clean_gradients(4))
+  expected_updates, expected_states, _ = harness.run_vmap(make("exdyna"), params(), grads)
+  updates, states, _ = harness.run_shard_map(make("exdyna"), params(), grads, check_vma=True)
+  np.testing.assert_array_equal(np.asarray(states.stats.skipped_steps)[:, -1], 2)
+  np.testing.assert_array_equal(np.asarray(updates["w"])[:, 1], 0)
+  for actual, expected in [
+      (updates, expected_updates),
+      (states.residual, expected_states.residual),
+  ]:
+    jax.tree.map(
+        lambda a, e: np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-6),
+        actual,
+        expected,
+    )
+
+
+# ------------------------------------------------------- optax.apply_if_finite
+
+
+def guarded_chain():
+  return optax.apply_if_finite(optax.chain(make("exdyna"), optax.sgd(0.1)), 3)
+
+
+@pytest.mark.parametrize(
+    "runner", [harness.run_vmap, functools.partial(harness.run_shard_map, check_vma=False)]
+)
+def test_apply_if_finite_skips_a_step_that_is_bad_on_every_worker(runner):
+  """The inner state, residual, threshold and partitions included, is untouched."""
+  grads = clean_gradients(3)
+  grads["w"][:, 1, 4, 4] = np.nan
+  updates, states, _ = runner(guarded_chain(), params(), grads)
+  states = harness.to_numpy(states)
+  np.testing.assert_array_equal(np.asarray(updates["w"])[:, 1], 0)
+  np.testing.assert_array_equal(states.notfinite_count, [[0, 1, 0]] * NUM_WORKERS)
+  inner = states.inner_state[0]
+  jax.tree.map(np.testing.assert_array_equal, at_step(inner, 1), at_step(inner, 0))
+  assert np.isfinite(inner.residual).all()
+  np.testing.assert_array_equal(inner.stats.step, [[1, 1, 2]] * NUM_WORKERS)
+  np.testing.assert_array_equal(inner.stats.skipped_steps, 0)  # the sparsifier never saw it
+
+
+def test_apply_if_finite_decides_per_worker_so_its_counters_disagree():
+  """A NaN on one worker only: apply_if_finite rejects the step on that worker
+  alone. Updates stay identical (the sparsifier skips on the others), but the
+  workers' counters diverge; under shard_map the rejecting worker would also
+  leave the others waiting in the collectives. Do not wrap the sparsifier in
+  apply_if_finite: it already skips globally."""
+  grads = clean_gradients(2)
+  grads["w"][1, 1, 4, 4] = np.nan
+  updates, states, _ = harness.run_vmap(guarded_chain(), params(), grads)
+  np.testing.assert_array_equal(np.asarray(updates["w"])[:, 1], 0)
+  np.testing.assert_array_equal(np.asarray(states.notfinite_count)[:, 1], [0, 1, 0, 0])
+  skipped = np.asarray(states.inner_state[0].stats.skipped_steps)[:, 1]
+  np.testing.assert_array_equal(skipped, [1, 0, 1, 1])
+
+
+def test_apply_if_finite_around_the_sparsifier_is_rejected_under_varying_types():
+  """With shard_map(check_vma=True) JAX refuses apply_if_finite's per-worker branch."""
+  grads = clean_gradients(1)
+  with pytest.raises(TypeError, match="output types match"):
+    harness.run_shard_map(guarded_chain(), params(), grads, check_vma=True)
