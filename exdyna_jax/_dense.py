@@ -76,6 +76,8 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
             num_workers, layout.num_elements * _exchange.VALUE_BYTES
         ),
     )
-    return _feedback.skip_if_nonfinite(nonfinite, lambda: (mean, DenseState(stats)), state)
+    return _feedback.skip_if_nonfinite(
+        nonfinite, lambda: (mean, DenseState(stats)), state, num_workers
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

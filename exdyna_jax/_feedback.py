@@ -92,7 +92,7 @@ def error_feedback_transform(
       update, residual, stats = sparsify(accumulated, state.stats, num_workers)
       return update, ErrorFeedbackState(residual, stats)
 
-    update, new_state = skip_if_nonfinite(nonfinite, step, state)
+    update, new_state = skip_if_nonfinite(nonfinite, step, state, num_workers)
     return _layout.unflatten(update, layout), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -108,14 +108,23 @@ def count_nonfinite(values: Any, axis_name: str) -> jax.Array:
   Returns:
     int32 scalar, identical on every worker (one ``psum``).
   """
-  local = sum(
-      jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32) for leaf in jax.tree.leaves(values)
-  )
+
+  def count(leaf):
+    # A NaN or infinity makes the sum non-finite: one read-only pass screens
+    # the leaf, and the elements are counted only when the screen trips (or
+    # when finite values overflowed the sum: then the count is 0).
+    return jax.lax.cond(
+        jnp.isfinite(jnp.sum(leaf, dtype=jnp.float32)),
+        lambda: _exchange.per_worker(jnp.zeros((), jnp.int32), axis_name),
+        lambda: jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32),
+    )
+
+  local = sum(count(leaf) for leaf in jax.tree.leaves(values))
   return jax.lax.psum(jnp.asarray(local, jnp.int32), axis_name)
 
 
 def skip_if_nonfinite(
-    nonfinite: jax.Array, step: Callable[[], tuple[Any, Any]], state: Any
+    nonfinite: jax.Array, step: Callable[[], tuple[Any, Any]], state: Any, num_workers: int
 ) -> tuple[Any, Any]:
   """The non-finite policy, shared by every method: skip the step on all workers.
 
@@ -129,22 +138,29 @@ def skip_if_nonfinite(
     step: ``() -> (update, new_state)``, the step proper; the state has a
       ``stats`` field.
     state: the state before the step.
+    num_workers: ``n``, to price the count's ``psum`` in ``stats.bytes_sent``.
 
   Returns:
     ``step()`` when ``nonfinite == 0``; otherwise a zero update and ``state``
-    unchanged. Either way ``stats.nonfinite`` is set to ``nonfinite`` and
-    ``stats.skipped_steps`` counts the skipped steps.
+    unchanged. Either way ``stats.nonfinite`` is set to ``nonfinite``,
+    ``stats.skipped_steps`` counts the skipped steps, and
+    ``stats.bytes_sent`` includes the count's ``psum`` (a skipped step sends
+    nothing else).
   """
   skip = nonfinite > 0
 
   def skipped():
     update_shapes, _ = jax.eval_shape(step)
-    return jax.tree.map(lambda u: jnp.zeros(u.shape, u.dtype), update_shapes), state
+    zeros = jax.tree.map(lambda u: jnp.zeros(u.shape, u.dtype), update_shapes)
+    silent = state.stats._replace(bytes_sent=jnp.zeros_like(state.stats.bytes_sent))
+    return zeros, state._replace(stats=silent)
 
   update, kept = jax.lax.cond(skip, skipped, step)
+  count_bytes = _exchange.ring_all_reduce_bytes(num_workers, _exchange.INDEX_BYTES)
   stats = kept.stats._replace(
       nonfinite=nonfinite,
       skipped_steps=state.stats.skipped_steps + skip.astype(jnp.int32),
+      bytes_sent=kept.stats.bytes_sent + count_bytes,
   )
   return update, kept._replace(stats=stats)
 

@@ -347,7 +347,7 @@ def spardl(
       new_state = SparDLState(residual=residual, stats=new_stats, rounds=rounds)
       return update, new_state
 
-    update, new_state = _feedback.skip_if_nonfinite(nonfinite, step, state)
+    update, new_state = _feedback.skip_if_nonfinite(nonfinite, step, state, n)
     return _layout.unflatten(update, layout), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -37,7 +37,9 @@ class SparsifierStats(NamedTuple):
     partition_sizes: int32 ``[n]`` blocks in each partition (``N`` elements
       for methods without partitions: every worker scans the whole vector).
     bytes_sent: int32 bytes this worker sent in the last step's collectives,
-      as ring algorithms move them (static: the buffers have fixed size).
+      as ring algorithms move them (static: the buffers have fixed size),
+      control counts included; it equals what the compiled program's
+      collectives move (see `exdyna_jax.demo.traffic`).
     nonfinite: int32 NaN or infinite elements in the last step's accumulated
       gradients ``g + m``, summed over all workers. When it is nonzero every
       worker skipped that step: the update was zero and every other field,

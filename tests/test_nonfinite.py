@@ -84,8 +84,11 @@ def at_step(tree, t):
 
 
 def without_guard_fields(state):
+  """The state without the fields the guard itself sets (a skipped step sends only its count)."""
   stats = optax.tree.get(state, "stats")
-  return optax.tree.set(state, stats=stats._replace(nonfinite=None, skipped_steps=None))
+  return optax.tree.set(
+      state, stats=stats._replace(nonfinite=None, skipped_steps=None, bytes_sent=None)
+  )
 
 
 @pytest.mark.parametrize("name", exdyna_jax.available_sparsifiers())
@@ -103,6 +106,10 @@ def test_bad_step_is_skipped_by_every_worker_and_changes_no_state(name):
   np.testing.assert_array_equal(stats.nonfinite, [[0, 1, 0, 2, 0, 0]] * NUM_WORKERS)
   np.testing.assert_array_equal(stats.skipped_steps, [[0, 1, 1, 2, 2, 2]] * NUM_WORKERS)
   np.testing.assert_array_equal(stats.step, [[1, 1, 2, 2, 3, 4]] * NUM_WORKERS)
+  count_bytes = 2 * (NUM_WORKERS - 1) * 4 // NUM_WORKERS  # the int32 count's ring all-reduce
+  for t in range(6):
+    skipped = t in BAD_STEPS
+    assert (np.asarray(stats.bytes_sent)[:, t] == count_bytes).all() == skipped, t
 
 
 @pytest.mark.parametrize("name", exdyna_jax.available_sparsifiers())

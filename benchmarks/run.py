@@ -1,0 +1,96 @@
+"""Regenerates every benchmark result and the report, in one command.
+
+Run: python benchmarks/run.py [--quick] [--only traffic,cost,...] [--results DIR]
+
+Each part runs in its own process (they force different CPU device counts):
+
+==================  ==========================================================
+traffic             collectives of the compiled step per method and n (HLO),
+                    memory analysis (``traffic.py``, compile only, n <= 1024)
+scale_model         alpha-beta prediction from those bytes (``scale_model.py``)
+collectives         CPU alpha-beta fit and replay check (``collectives.py``)
+density_control     K/k, imbalance and overflow over training
+profile             static pass count and timing variants (``profile_update.py``)
+cost                update time grid, inside a time budget (``cost.py``)
+report              ``REPORT.md`` and plots (``report.py``)
+==================  ==========================================================
+
+The full suite takes about 25 minutes on 2 cores; ``--quick`` (about 5) runs
+small versions and writes to a scratch directory unless ``--results`` says
+otherwise. Results (JSON, ``REPORT.md``, ``*.png``) go to
+``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+PARTS = (
+  "traffic",
+  "scale_model",
+  "collectives",
+  "density_control",
+  "profile",
+  "cost",
+  "report",
+)
+
+
+def commands(results: pathlib.Path, quick: bool, cost_budget: float) -> dict[str, list[str]]:
+  """The command line of every part."""
+  q = ["--quick"] if quick else []
+  out = {name: ["--out", str(results / f"{name}.json")] for name in PARTS}
+  traffic = ["--traffic", str(results / "traffic.json")]
+  density = ["--steps", "60", "--densities", "0.01"] if quick else []
+  return {
+    "traffic": ["traffic.py", *q, *out["traffic"]],
+    "scale_model": ["scale_model.py", *traffic, *out["scale_model"]],
+    "collectives": ["collectives.py", *q, *traffic, *out["collectives"]],
+    "density_control": ["density_control.py", *density, *out["density_control"]],
+    "profile": ["profile_update.py", *q, *out["profile"]],
+    "cost": ["cost.py", *q, "--budget", str(cost_budget), *out["cost"]],
+    "report": ["report.py", "--results", str(results)],
+  }
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--quick", action="store_true", help="small smoke versions")
+  parser.add_argument("--only", default=",".join(PARTS), help="comma-separated parts")
+  parser.add_argument("--results", default=None, help="output directory")
+  parser.add_argument("--cost-budget", type=float, default=780.0, help="seconds for the grid")
+  args = parser.parse_args()
+  default = pathlib.Path("/tmp/exdyna_benchmarks_quick") if args.quick else HERE / "results"
+  results = pathlib.Path(args.results) if args.results else default
+  results.mkdir(parents=True, exist_ok=True)
+  wanted = [p.strip() for p in args.only.split(",") if p.strip()]
+  unknown = set(wanted) - set(PARTS)
+  if unknown:
+    parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+  cmds = commands(results, args.quick, args.cost_budget)
+  start = time.perf_counter()
+  failed = []
+  for part in PARTS:
+    if part not in wanted:
+      continue
+    script, *rest = cmds[part]
+    print(f"== {part} ({time.perf_counter() - start:.0f}s)", file=sys.stderr, flush=True)
+    code = subprocess.call([sys.executable, str(HERE / script), *rest], cwd=HERE.parent)
+    if code:
+      failed.append(part)
+      print(f"!! {part} failed with exit code {code}", file=sys.stderr, flush=True)
+  print(
+    f"== done in {time.perf_counter() - start:.0f}s; results in {results}"
+    + (f"; FAILED: {', '.join(failed)}" if failed else ""),
+    file=sys.stderr,
+  )
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

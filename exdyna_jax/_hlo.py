@@ -1,0 +1,328 @@
+"""Collectives of a compiled XLA program, and what they cost one worker on a ring.
+
+`collectives` reads the text of a compiled HLO module
+(``jax.jit(f).lower(...).compile().as_text()``) and lists, per step, every
+all-gather, all-reduce, reduce-scatter, all-to-all and collective-permute
+with its shapes. Collectives inside a ``conditional`` count once, for the
+most expensive branch (only one branch runs per step); a collective inside a
+``while`` body is counted once and flagged.
+
+`ring_cost` converts one op into per-worker traffic and message counts with
+the ring algorithms (``g`` = workers in the op's group, ``M`` = bytes of the
+op's result, ``R`` for reduce-scatter's result per worker):
+
+============================  =====================  ===================
+op                            bytes sent per worker  messages per worker
+============================  =====================  ===================
+all-reduce of ``M``           ``2 (g-1)/g * M``      ``2 (g-1)``
+all-gather, result ``M``      ``(g-1)/g * M``        ``g - 1``
+reduce-scatter, result ``R``  ``(g-1) * R``          ``g - 1``
+all-to-all of ``M``           ``(g-1)/g * M``        ``g - 1``
+collective-permute of ``M``   ``M * pairs / n``      ``pairs / n``
+============================  =====================  ===================
+
+Every op is symmetric, so bytes received equal bytes sent. ``log_messages``
+gives the message count of the latency-optimal alternatives instead
+(recursive doubling / Bruck / Rabenseifner, same bytes for powers of two):
+``2 ceil(log2 g)`` for all-reduce, ``ceil(log2 g)`` for the others, 1 for a
+permute.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+DTYPE_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
+}
+
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_CALLED = re.compile(
+  r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+  """``"f32[8]{0} all-gather(...), ..."`` -> (``"f32[8]{0}"``, remainder)."""
+  if rest.startswith("("):
+    depth = 0
+    for i, c in enumerate(rest):
+      depth += c == "("
+      depth -= c == ")"
+      if depth == 0:
+        return rest[: i + 1], rest[i + 1 :].strip()
+  head, _, tail = rest.partition(" ")
+  return head, tail.strip()
+
+
+def shape_bytes(type_text: str) -> tuple[int, list[str]]:
+  """Total bytes and the array shapes of an HLO (possibly tuple) type."""
+  total, shapes = 0, []
+  for dtype, dims in _ARRAY.findall(type_text):
+    if dtype not in DTYPE_BYTES:
+      continue
+    count = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+    total += count * DTYPE_BYTES[dtype]
+    shapes.append(f"{dtype}[{dims}]")
+  return total, shapes
+
+
+def _group_size(attributes: str, default: int) -> int:
+  match = re.search(r"replica_groups=\{\{([^}]*)\}", attributes)
+  if match:
+    return len(match.group(1).split(","))
+  match = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attributes)
+  if match:
+    return int(match.group(2))
+  return default
+
+
+def _pairs(attributes: str) -> int:
+  match = re.search(r"source_target_pairs=\{(.*?)\}\}", attributes)
+  return len(re.findall(r"\{\d+,\d+", match.group(0))) if match else 0
+
+
+def parse_module(text: str) -> tuple[dict[str, list[str]], str]:
+  """Computations of an HLO module: ``{name: instruction lines}``, entry name."""
+  computations: dict[str, list[str]] = {}
+  entry, current = "", None
+  for line in text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header and "=" not in line.split("(")[0]:
+      current = header.group(2)
+      computations[current] = []
+      if header.group(1):
+        entry = current
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    if current is not None and _INSTRUCTION.match(line):
+      computations[current].append(line)
+  return computations, entry
+
+
+def _op(line: str, num_devices: int) -> dict[str, Any] | None:
+  name, rest = _INSTRUCTION.match(line).groups()
+  type_text, remainder = _split_type(rest.strip())
+  opcode = remainder.split("(", 1)[0].strip()
+  if opcode.endswith("-start"):
+    return None  # counted at the matching -done, whose type is the result
+  kind = opcode.removesuffix("-done")
+  if kind not in KINDS:
+    return None
+  result_bytes, shapes = shape_bytes(type_text)
+  return {
+    "name": name,
+    "kind": kind,
+    "shapes": shapes,
+    "result_bytes": result_bytes,
+    "group": _group_size(remainder, num_devices),
+    "pairs": _pairs(remainder) if kind == "collective-permute" else 0,
+  }
+
+
+def collectives(text: str, num_devices: int) -> list[dict[str, Any]]:
+  """The collectives one step of the compiled program runs, in program order.
+
+  Args:
+    text: ``compiled.as_text()``.
+    num_devices: devices the program runs on (the default group size).
+
+  Returns:
+    One dict per op: ``kind``, ``shapes``, ``result_bytes``, ``group``,
+    ``pairs`` (permutes), and ``context`` (``"conditional"`` or ``"loop"``
+    when the op sits inside one).
+  """
+  computations, entry = parse_module(text)
+
+  def walk(name: str, context: str, seen: frozenset) -> list[dict[str, Any]]:
+    ops: list[dict[str, Any]] = []
+    for line in computations.get(name, []):
+      op = _op(line, num_devices)
+      if op is not None:
+        ops.append({**op, "context": context})
+        continue
+      branches = _BRANCHES.search(line)
+      called = [c for c in _CALLED.findall(line) if c in computations and c not in seen]
+      if branches or " conditional(" in line:
+        names = called
+        if branches:
+          names = [b.strip().lstrip("%") for b in branches.group(1).split(",")]
+        options = [walk(b, "conditional", seen | {b}) for b in names if b in computations]
+        if options:
+          ops.extend(max(options, key=lambda o: sum(ring_cost(x)["bytes"] for x in o)))
+        continue
+      loop = " while(" in line
+      for c in called:
+        ops.extend(walk(c, "loop" if loop else context, seen | {c}))
+    return ops
+
+  return walk(entry, "", frozenset({entry}))
+
+
+def ring_cost(op: dict[str, Any], num_devices: int | None = None) -> dict[str, float]:
+  """Per-worker ``bytes`` sent (= received) and ``messages`` of one op on a ring."""
+  g = op["group"]
+  size = op["result_bytes"]
+  kind = op["kind"]
+  rounds = math.ceil(math.log2(g)) if g > 1 else 0
+  if g <= 1:
+    return {"bytes": 0.0, "messages": 0.0, "log_messages": 0.0}
+  if kind == "all-reduce":
+    return {"bytes": 2 * (g - 1) / g * size, "messages": 2 * (g - 1), "log_messages": 2 * rounds}
+  if kind in ("all-gather", "all-to-all"):
+    return {"bytes": (g - 1) / g * size, "messages": g - 1, "log_messages": rounds}
+  if kind == "reduce-scatter":
+    return {"bytes": (g - 1) * size, "messages": g - 1, "log_messages": rounds}
+  n = num_devices or g
+  share = op["pairs"] / n if op["pairs"] else 1.0
+  return {"bytes": size * share, "messages": share, "log_messages": share}
+
+
+def totals(ops: list[dict[str, Any]], num_devices: int) -> dict[str, Any]:
+  """Sum of `ring_cost` over ``ops``, overall and per kind."""
+  out: dict[str, Any] = {"bytes": 0.0, "messages": 0.0, "log_messages": 0.0, "by_kind": {}}
+  for op in ops:
+    cost = ring_cost(op, num_devices)
+    kind = out["by_kind"].setdefault(op["kind"], {"ops": 0, "bytes": 0.0, "messages": 0.0})
+    kind["ops"] += 1
+    kind["bytes"] += cost["bytes"]
+    kind["messages"] += cost["messages"]
+    for key in ("bytes", "messages", "log_messages"):
+      out[key] += cost[key]
+  return out
+
+
+_SKIP = {
+  "parameter",
+  "constant",
+  "bitcast",
+  "get-tuple-element",
+  "tuple",
+  "after-all",
+  "partition-id",
+  "replica-id",
+  "iota",
+}
+
+
+def _opcode_and_operands(line: str) -> tuple[str, str, list[str], str]:
+  """(name, type, operand names, opcode) of one instruction line."""
+  name, rest = _INSTRUCTION.match(line).groups()
+  type_text, remainder = _split_type(rest.strip())
+  opcode, _, args = remainder.partition("(")
+  depth, end = 1, 0
+  for i, c in enumerate(args):
+    depth += c == "("
+    depth -= c == ")"
+    if depth == 0:
+      end = i
+      break
+  operands = re.findall(r"%([\w.\-]+)", args[:end])
+  return name, type_text, operands, opcode.strip()
+
+
+def memory_traffic(text: str, min_bytes: int) -> dict[str, Any]:
+  """Bytes the top-level ops of the entry computation read and write.
+
+  After fusion each top-level op (a fusion, a sort, a scatter, a copy, a
+  collective) reads its operands from memory and writes its result, so the
+  sum over them of ``operand bytes + result bytes`` estimates the memory
+  traffic of one step. Scatters are taken as in place (only their small
+  operands count) and gathers and dynamic slices as reading only what they
+  return; a fusion that reads a slice of an operand is still over-counted.
+  A ``conditional`` counts as the branch a normal step takes (only one
+  runs): among its branches that hold collectives (a skip-the-step branch
+  holds none), the cheapest (a whole-vector fallback is the costlier); a
+  ``while`` counts one trip of its body. Ops are listed with their
+  computation.
+
+  Args:
+    text: ``compiled.as_text()`` of a per-device program.
+    min_bytes: only arrays of at least this size are counted (e.g. ``N/2``
+      float32: the passes over the whole vector).
+
+  Returns:
+    ``{"bytes": total, "ops": [(bytes, opcode, op_name), ...] largest first}``.
+  """
+  computations, entry = parse_module(text)
+  types: dict[str, str] = {}
+  for lines in computations.values():
+    for line in lines:
+      name, type_text, _, _ = _opcode_and_operands(line)
+      types[name] = type_text
+
+  def communicates(comp: str, seen: frozenset = frozenset()) -> bool:
+    for line in computations.get(comp, []):
+      opcode = _opcode_and_operands(line)[3].removesuffix("-start").removesuffix("-done")
+      if opcode in KINDS:
+        return True
+      called = re.findall(r"(?:calls|body|true_computation|false_computation)=%?([\w.\-]+)", line)
+      branches = _BRANCHES.search(line)
+      if branches:
+        called += [b.strip().lstrip("%") for b in branches.group(1).split(",")]
+      if any(c not in seen and communicates(c, seen | {comp}) for c in called):
+        return True
+    return False
+
+  def own_ops(comp: str) -> list[tuple[int, str, str, str]]:
+    """Counted ops of ``comp``, each conditional replaced by its costliest branch."""
+    ops = []
+    for line in computations.get(comp, []):
+      name, type_text, operands, opcode = _opcode_and_operands(line)
+      if opcode in _SKIP:
+        continue
+      if opcode == "conditional":
+        branches = _BRANCHES.search(line)
+        names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
+        names += re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line)
+        names = [b for b in names if b in computations]
+        # The branch a normal step takes: among the branches that communicate
+        # (a skip-this-step branch does not), the cheapest (a fallback path
+        # over the whole vector is the costlier one).
+        talking = [b for b in names if communicates(b)] or names
+        options = [own_ops(b) for b in talking]
+        if options:
+          ops.extend(min(options, key=lambda o: sum(x[0] for x in o)))
+        continue
+      if opcode == "while":
+        body = re.search(r"body=%?([\w.\-]+)", line)
+        ops.extend(own_ops(body.group(1)) if body else [])
+        continue
+      where = re.search(r'op_name="([^"]*)"', line)
+      label = (where.group(1) if where else name).rsplit("/", 1)[-1]
+      result = shape_bytes(type_text)[0]
+      inputs = [shape_bytes(types.get(o, ""))[0] for o in operands]
+      if opcode == "scatter" or label.startswith("scatter"):
+        # In place: touches only the scattered entries (a copy, if any, is its own op).
+        inputs, result = [b for b in inputs if b != result], 0
+      elif opcode in ("gather", "dynamic-slice") or label.startswith(("gather", "dynamic_slice")):
+        inputs = []  # reads only what it returns
+      counted = sum(b for b in [result, *inputs] if b >= min_bytes)
+      if counted:
+        ops.append((counted, opcode, where.group(1) if where else name, comp))
+    return ops
+
+  ops = sorted(own_ops(entry), reverse=True)
+  return {"bytes": sum(o[0] for o in ops), "ops": ops}
