@@ -20,11 +20,13 @@ import optax
 from jax import P
 
 
-def _add_worker_axis(tree):
+def add_worker_axis(tree):
+  """Adds a leading worker axis of size 1 to every leaf (per-worker state out of shard_map)."""
   return jax.tree.map(lambda x: x[None], tree)
 
 
-def _drop_worker_axis(tree):
+def drop_worker_axis(tree):
+  """Drops the leading worker axis of every leaf (per-worker state into shard_map)."""
   return jax.tree.map(lambda x: x[0], tree)
 
 
@@ -92,14 +94,14 @@ def data_parallel(
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
   def init(params):
-    return shard(lambda p: _add_worker_axis(tx.init(p)), P(), per_worker)(params)
+    return shard(lambda p: add_worker_axis(tx.init(p)), P(), per_worker)(params)
 
   def update(worker_grads, opt_state, params=None, **extra_args):
     def body(grads, state, params):
       updates, state = tx.update(
-          _drop_worker_axis(grads), _drop_worker_axis(state), params, **extra_args
+          drop_worker_axis(grads), drop_worker_axis(state), params, **extra_args
       )
-      return updates, _add_worker_axis(state)
+      return updates, add_worker_axis(state)
 
     return shard(body, (per_worker, per_worker, P()), (P(), per_worker))(
         worker_grads, opt_state, params
@@ -109,7 +111,7 @@ def data_parallel(
     def grad_fn(params, batch, *args):
       def body(params, batch, *args):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch, *args)
-        return jax.lax.pmean(loss, axis_name), _add_worker_axis(grads)
+        return jax.lax.pmean(loss, axis_name), add_worker_axis(grads)
 
       in_specs = (P(), per_worker) + (P(),) * len(args)
       return shard(body, in_specs, (P(), per_worker))(params, batch, *args)

@@ -24,6 +24,7 @@ import optax
 from jax import P
 
 import exdyna_jax
+from exdyna_jax._sharding import add_worker_axis, drop_worker_axis
 from exdyna_jax.demo import traffic
 
 AXIS = "data"
@@ -111,14 +112,6 @@ def make_mesh(num_workers: int) -> jax.sharding.Mesh:
   )
 
 
-def _add_worker_axis(tree):
-  return jax.tree.map(lambda x: x[None], tree)
-
-
-def _drop_worker_axis(tree):
-  return jax.tree.map(lambda x: x[0], tree)
-
-
 class CompiledMethod(NamedTuple):
   """A method's jitted init and train step and what its step exchanges.
 
@@ -154,15 +147,15 @@ def compile_method(
   """
 
   def init(params):
-    return _add_worker_axis(tx.init(params))
+    return add_worker_axis(tx.init(params))
 
   def train_step(params, opt_state, inputs, targets):
-    opt_state = _drop_worker_axis(opt_state)
+    opt_state = drop_worker_axis(opt_state)
     loss, grads = jax.value_and_grad(task.loss_fn)(params, inputs, targets)  # local
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     stats = exdyna_jax.get_stats(opt_state)
-    return params, _add_worker_axis(opt_state), loss[None], _add_worker_axis(stats)
+    return params, add_worker_axis(opt_state), loss[None], add_worker_axis(stats)
 
   per_worker = P(AXIS)
   init_fn = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=P(), out_specs=per_worker))
