@@ -91,35 +91,15 @@ def train(method: str, args: argparse.Namespace, split: data.Split,
   params = jax.tree.map(lambda p: p[0], state.params)  # identical on every worker
   logits = model.apply({"params": params}, split.x_test)
   accuracy = float(np.mean(np.argmax(logits, -1) == split.y_test))
-  return {
-      "method": method,
-      "test_accuracy": f"{accuracy:.2%}",
-      "first_loss": f"{losses[0]:.3f}",
-      "last_loss": f"{np.mean(losses[-10:]):.3f}",
-      "bytes/worker/step (HLO)": hlo_bytes,
-      "(stats)": int(stats.bytes_sent[0]),
-  }
+  return report.example_row(method, accuracy, losses, hlo_bytes, int(stats.bytes_sent[0]))
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--density", type=float, default=0.01)
-  parser.add_argument("--method", default="exdyna", help="compared with dense")
-  parser.add_argument("--batch-per-worker", type=int, default=32)
-  parser.add_argument("--learning-rate", type=float, default=0.1)
-  parser.add_argument("--momentum", type=float, default=0.0)
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/linen_pmap"))
+  parser = report.example_parser(__doc__.split("\n\n")[0], "runs/linen_pmap")
   args = parser.parse_args(argv)
 
-  args.out.mkdir(parents=True, exist_ok=True)
   split = data.load_digits_split()
-  rows = [train(method, args, split, args.out) for method in ("dense", args.method)]
-  table = report.format_rows(rows)
-  print(table)
-  (args.out / "table.txt").write_text(table + "\n")
-  return rows
+  return report.compare(lambda method: train(method, args, split, args.out), args.method, args.out)
 
 
 if __name__ == "__main__":

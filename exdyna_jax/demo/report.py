@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
+
+import numpy as np
 
 from exdyna_jax.demo.trainer import MethodRun
 
@@ -216,3 +219,43 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
            for line in [header, *cells]]
   lines.insert(1, "  ".join("-" * width for width in widths))
   return "\n".join(lines)
+
+
+def example_parser(description: str, default_out: str) -> argparse.ArgumentParser:
+  """The command line every digits example shares (dense vs one method)."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--density", type=float, default=0.01)
+  parser.add_argument("--method", default="exdyna", help="compared with dense")
+  parser.add_argument("--batch-per-worker", type=int, default=32)
+  parser.add_argument("--learning-rate", type=float, default=0.1)
+  parser.add_argument("--momentum", type=float, default=0.0)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(default_out))
+  return parser
+
+
+def example_row(
+    method: str, accuracy: float, losses: Sequence[float], hlo_bytes: int, stats_bytes: int
+) -> dict[str, Any]:
+  """One row of an example's comparison table."""
+  return {
+      "method": method,
+      "test_accuracy": f"{accuracy:.2%}",
+      "first_loss": f"{losses[0]:.3f}",
+      "last_loss": f"{np.mean(losses[-10:]):.3f}",
+      "bytes/worker/step (HLO)": hlo_bytes,
+      "(stats)": stats_bytes,
+  }
+
+
+def compare(
+    train: Callable[[str], dict[str, Any]], method: str, out: pathlib.Path
+) -> list[dict[str, Any]]:
+  """Trains ``dense`` and ``method``, prints the table and writes it to ``out``."""
+  out.mkdir(parents=True, exist_ok=True)
+  rows = [train(name) for name in ("dense", method)]
+  table = format_rows(rows)
+  print(table)
+  (out / "table.txt").write_text(table + "\n")
+  return rows
