@@ -54,10 +54,7 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
-    layout = _layout.gradient_layout(updates, params, None)
-    num_workers = _exchange.axis_size(axis_name)
-    _stats.check_num_workers(state.stats, num_workers, axis_name)
-    _exchange.check_local(updates, axis_name)
+    layout, num_workers = _feedback.check_update(updates, state, params, axis_name)
     nonfinite = _feedback.count_nonfinite(updates, axis_name)
     total = jax.lax.psum(
         jax.tree.map(lambda g: g.astype(_layout.ACCUMULATION_DTYPE), updates), axis_name

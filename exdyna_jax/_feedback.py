@@ -81,10 +81,7 @@ def error_feedback_transform(
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
-    layout = _layout.gradient_layout(updates, params, state.residual.shape[0])
-    num_workers = _exchange.axis_size(axis_name)
-    _stats.check_num_workers(state.stats, num_workers, axis_name)
-    _exchange.check_local(updates, axis_name)
+    layout, num_workers = check_update(updates, state, params, axis_name)
     accumulated = _layout.flatten(updates) + state.residual
     nonfinite = count_nonfinite(accumulated, axis_name)
 
@@ -96,6 +93,34 @@ def error_feedback_transform(
     return _layout.unflatten(update, layout), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def check_update(
+    updates: Any, state: Any, params: Any, axis_name: str
+) -> tuple[_layout.FlatLayout, int]:
+  """The checks every method's ``update`` starts with.
+
+  The gradient tree must match ``params`` and the state (its residual's
+  length, when it has one), the state must belong to this number of workers,
+  and the gradient must be local (not already summed over ``axis_name``).
+
+  Args:
+    updates: the gradient tree passed to ``update``.
+    state: the method's state; it has a ``stats`` field, maybe a ``residual``.
+    params: the params passed to ``update``, or None.
+    axis_name: the data-parallel axis.
+
+  Returns:
+    ``(layout, n)``: the gradient's `FlatLayout` and the number of workers.
+  """
+  residual = getattr(state, "residual", None)
+  layout = _layout.gradient_layout(
+      updates, params, None if residual is None else residual.shape[0]
+  )
+  num_workers = _exchange.axis_size(axis_name)
+  _stats.check_num_workers(state.stats, num_workers, axis_name)
+  _exchange.check_local(updates, axis_name)
+  return layout, num_workers
 
 
 def count_nonfinite(values: Any, axis_name: str) -> jax.Array:

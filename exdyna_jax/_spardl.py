@@ -264,12 +264,8 @@ def spardl(
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
-    layout = _layout.gradient_layout(updates, params, state.residual.shape[0])
+    layout, n = _feedback.check_update(updates, state, params, axis_name)
     num_elements = layout.num_elements
-    num_workers = _exchange.axis_size(axis_name)
-    _stats.check_num_workers(state.stats, num_workers, axis_name)
-    _exchange.check_local(updates, axis_name)
-    n = num_workers
     block, per_block = geometry(num_elements, n)
 
     accumulated = _layout.flatten(updates) + state.residual
