@@ -72,7 +72,7 @@ def method_step(
 
   Returns:
     ``(init, step, mesh)``: ``init(params) -> state`` and
-    ``step(grads, state, params) -> (updates, state)``, both jitted
+    ``step(grads, state, params) -> (state, updates)``, both jitted
     ``shard_map`` programs; ``step`` donates the state when ``donate``.
   """
   import jax
@@ -87,7 +87,10 @@ def method_step(
   def update(grads, state, params):
     state = jax.tree.map(lambda s: s[0], state)
     updates, state = tx.update(grads, state, params)
-    return updates, jax.tree.map(lambda s: s[None], state)
+    # State first: jit pairs each donated buffer with the first output of the
+    # same per-device shape, and the residual must land in its own buffer
+    # (with the update first, the update took it and the residual was copied).
+    return jax.tree.map(lambda s: s[None], state), updates
 
   init_fn = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=P(), out_specs=P(AXIS)))
   step_fn = jax.jit(

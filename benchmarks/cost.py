@@ -137,13 +137,14 @@ def _patched(patch: str | None):
   saved = {}
   if patch == "no_guard":
 
-    def no_skip(nonfinite, *args):
-      # (nonfinite, step_fn, state) or (nonfinite, update, new_state, state)
-      update, new_state = args[0]() if len(args) == 2 else args[:2]
-      return update, new_state._replace(stats=new_state.stats._replace(nonfinite=nonfinite))
+    def no_skip(nonfinite, step, previous_stats, num_workers, **skipped):
+      del previous_stats, num_workers, skipped
+      output, stats = step()
+      return output, stats._replace(nonfinite=nonfinite)
 
     saved = {
-      (_feedback, "count_nonfinite"): lambda values, axis_name: jnp.zeros((), jnp.int32),
+      # An opaque zero: a constant would let XLA fold the step's select away.
+      (_feedback, "count_nonfinite"): lambda values, axis_name: jax.lax.axis_index(axis_name) * 0,
       (_feedback, "skip_if_nonfinite"): no_skip,
     }
   elif patch == "kth_min":
@@ -223,7 +224,8 @@ def measure(config: dict, repeats: int, warmup: int) -> dict:
       compile_seconds[name] = time.perf_counter() - start
 
     def call(state, step_fn=step_fn):
-      return step_fn(grads, state, params)
+      state, updates = step_fn(grads, state, params)
+      return updates, state
 
     runners.append(Runner(name, call, state))
   for runner in runners:

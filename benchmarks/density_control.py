@@ -5,8 +5,12 @@ Trains a small MLP on scikit-learn's bundled digits with n simulated workers
 target) and the partition workloads, imbalance (max/mean) and overflow, for
 the reference and the adaptive controllers of ExDyna and MiCRO.
 
+Two widths of the same MLP: hidden 256 (N = 85k, so k = 85 at d = 0.001:
+about 11 elements per worker, where counting noise alone is several percent)
+and hidden 1024 (N = 1.1M, k = 1,124 at d = 0.001).
+
 Run: python benchmarks/density_control.py [--steps 600] [--densities 0.01,0.001]
-     [--out FILE]
+     [--hidden 256,1024] [--out FILE]
 """
 
 from __future__ import annotations
@@ -51,11 +55,11 @@ def loss_fn(params, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def run(method_tx, *, steps, workers, batch, seed=0):
+def run(method_tx, *, steps, workers, batch, hidden=256, seed=0):
   digits = load_digits()
   x = jnp.asarray(digits.data / 16.0, jnp.float32)
   y = jnp.asarray(digits.target)
-  params = init_mlp(jax.random.key(seed), [64, 256, 256, 10])
+  params = init_mlp(jax.random.key(seed), [64, hidden, hidden, 10])
   tx = optax.chain(method_tx, optax.sgd(0.05, momentum=0.9))
 
   def worker_init(_):
@@ -128,30 +132,37 @@ def main():
   parser.add_argument("--workers", type=int, default=8)
   parser.add_argument("--batch", type=int, default=32)
   parser.add_argument("--methods", default="exdyna,micro")
+  parser.add_argument("--hidden", default="256,1024", help="MLP widths (one run set each)")
   parser.add_argument("--out", default=None, help="JSON with the traces (else summary only)")
   args = parser.parse_args()
   summary, runs = {}, []
-  for density in (float(d) for d in args.densities.split(",")):
-    for method in args.methods.split(","):
-      factory = getattr(exdyna_jax, method)
-      for controller in ("reference", "adaptive"):
-        tx = factory(density, controller=controller)
-        trace, num_elements = run(tx, steps=args.steps, workers=args.workers, batch=args.batch)
-        target = int(density * num_elements)
-        name = f"{method}/{controller}/d={density}"
-        summary[name] = {**summarize(trace["selected"], target), **balance(trace)}
-        runs.append(
-          {
-            "method": method,
-            "controller": controller,
-            "density": density,
-            "elements": int(num_elements),
-            "target": target,
-            "summary": summary[name],
-            **{key: value.tolist() for key, value in trace.items()},
-          }
-        )
-        print(name, json.dumps(summary[name]), file=sys.stderr, flush=True)
+  configs = itertools.product(
+    (int(h) for h in args.hidden.split(",")),
+    (float(d) for d in args.densities.split(",")),
+    args.methods.split(","),
+    ("reference", "adaptive"),
+  )
+  for hidden, density, method, controller in configs:
+    tx = getattr(exdyna_jax, method)(density, controller=controller)
+    trace, num_elements = run(
+      tx, steps=args.steps, workers=args.workers, batch=args.batch, hidden=hidden
+    )
+    target = int(density * num_elements)
+    name = f"{method}/{controller}/d={density}/hidden={hidden}"
+    summary[name] = {**summarize(trace["selected"], target), **balance(trace)}
+    runs.append(
+      {
+        "method": method,
+        "controller": controller,
+        "density": density,
+        "hidden": hidden,
+        "elements": int(num_elements),
+        "target": target,
+        "summary": summary[name],
+        **{key: value.tolist() for key, value in trace.items()},
+      }
+    )
+    print(name, json.dumps(summary[name]), file=sys.stderr, flush=True)
   print(json.dumps(summary, indent=2))
   if args.out:
     import _common
@@ -163,7 +174,7 @@ def main():
         "steps": args.steps,
         "workers": args.workers,
         "batch": args.batch,
-        "model": "MLP 64-256-256-10 on sklearn digits, SGD 0.05 m=0.9",
+        "model": "MLP 64-h-h-10 on sklearn digits, SGD 0.05 m=0.9",
         "runs": runs,
       },
     )

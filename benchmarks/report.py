@@ -337,6 +337,51 @@ def traffic_section(rep: Report, traffic: dict | None) -> None:
   rep.add(rep.save_plot(fig, "traffic.png"))
 
 
+def two_level_section(rep: Report, scale: dict | None) -> None:
+  """Section 3's two-level variant: hosts of L devices, `exdyna_jax.hierarchical`."""
+  two = (scale or {}).get("two_level")
+  if not two:
+    return
+  preds = two["predictions"]
+  intra = two["intra_links"]
+  rep.add(
+    "### Two levels: H hosts of L devices (`exdyna_jax.hierarchical`)\n\n"
+    "Per step: the dense phase inside each host (`psum` mode: an all-reduce of the "
+    "4N-byte gradient; `scatter` mode: reduce-scatter + all-gather, the same bytes), "
+    "then the method's compiled collectives for `n = H` workers, run by each host's L "
+    "devices at once over one host link of B (the link carries L times one device's "
+    "bytes). In `scatter` mode each device exchanges an N/L slice: payload bytes / L. "
+    "`dense` in `scatter` mode is the hierarchical all-reduce. Intra-host links: "
+    + ", ".join(
+      f"{name} {v['bytes_per_second'] / 1e9:.0f} GB/s, {v['alpha_seconds'] * 1e6:.0f} us"
+      for name, v in intra.items()
+    )
+    + "; alpha between hosts as above. Assumptions in `benchmarks/scale_model.py`."
+  )
+  methods = [m for m in _common.METHODS if any(p["method"] == m for p in preds)]
+  density = min({p["density"] for p in preds})
+  for local, link_name in ((4, "nvlink"), (8, "nvlink"), (8, "pcie")):
+    sel = [
+      p
+      for p in preds
+      if p["local"] == local and p["intra"] == link_name and p["density"] == density
+    ]
+    ns = sorted({p["workers"] for p in sel})
+    rows = []
+    for name in methods:
+      for mode in ("psum", "scatter"):
+        by_n = {p["workers"]: p for p in sel if p["method"] == name and p["mode"] == mode}
+        if by_n:
+          cells = [_ms(by_n[n]["seconds"]["25"]) if n in by_n else "" for n in ns]
+          rows.append([name, mode, *cells])
+    if rows:
+      rep.add(
+        f"#### Predicted ms per step, L = {local}, {link_name} inside hosts, 25 Gb/s "
+        f"between hosts, d = {density} (other links and densities: `scale_model.json`)\n\n"
+        + _table(["method", "mode", *[f"n={n} (H={n // local})" for n in ns]], rows)
+      )
+
+
 # -------------------------------------------------------------------- 3. scale model
 
 
@@ -456,7 +501,9 @@ def density_sections(rep: Report, density: dict | None) -> None:
   rep.add(
     f"{density['model']}, n = {density['workers']} workers simulated with "
     f"`jax.vmap(axis_name=)`, batch {density['batch']} per worker, "
-    f"{density['steps']} steps, N = {runs[0]['elements']:,}. K = elements selected by "
+    f"{density['steps']} steps, N = "
+    f"{' and '.join(f'{n:,}' for n in sorted({r['elements'] for r in runs}))}. "
+    "K = elements selected by "
     "all workers before the capacity limit; k = floor(d N). 'Enters' = first step "
     "(from 1) with |K/k - 1| <= 5 %; errors are over steps 21..end."
   )
@@ -467,6 +514,7 @@ def density_sections(rep: Report, density: dict | None) -> None:
       [
         r["method"],
         r["controller"],
+        f"{r['elements']:,}",
         r["density"],
         r["target"],
         s["first_step_within_5pct"],
@@ -479,14 +527,14 @@ def density_sections(rep: Report, density: dict | None) -> None:
     if r["controller"] == "adaptive":
       first = s["first_step_within_5pct"]
       rep.target(
-        f"{r['method']} adaptive enters +-5 % (d={r['density']})",
+        f"{r['method']} adaptive enters +-5 % (d={r['density']}, k={r['target']})",
         "by step 20",
         f"step {first}",
         first is not None and first <= 20,
       )
       err = s["median_abs_error_after_20"]
       rep.target(
-        f"{r['method']} adaptive median error after (d={r['density']})",
+        f"{r['method']} adaptive median error after (d={r['density']}, k={r['target']})",
         "<= 3 %",
         f"{100 * err:.1f} %",
         err <= 0.03,
@@ -496,6 +544,7 @@ def density_sections(rep: Report, density: dict | None) -> None:
       [
         "method",
         "controller",
+        "N",
         "d",
         "k",
         "enters +-5 % at step",
@@ -507,11 +556,11 @@ def density_sections(rep: Report, density: dict | None) -> None:
       rows,
     )
   )
-  densities = sorted({r["density"] for r in runs})
-  fig, axes = plt.subplots(1, len(densities), figsize=(11, 3.8), squeeze=False)
-  for ax, d in zip(axes[0], densities, strict=True):
+  panels = sorted({(r["elements"], r["density"]) for r in runs})
+  fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), squeeze=False)
+  for ax, (size, d) in zip(axes[0], panels, strict=True):
     for r in runs:
-      if r["density"] == d:
+      if (r["elements"], r["density"]) == (size, d):
         ratio = np.asarray(r["selected"]) / r["target"]
         ax.plot(
           np.arange(1, len(ratio) + 1),
@@ -525,7 +574,7 @@ def density_sections(rep: Report, density: dict | None) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("K / k")
-    ax.set_title(f"d = {d}")
+    ax.set_title(f"N = {size:,}, d = {d}")
   axes[0][0].legend(fontsize=7)
   rep.add(rep.save_plot(fig, "density_control.png"))
 
@@ -543,6 +592,7 @@ def density_sections(rep: Report, density: dict | None) -> None:
       [
         r["method"],
         r["controller"],
+        f"{r['elements']:,}",
         r["density"],
         f"{s['median_imbalance_after_20']:.2f}",
         f"{s['p90_imbalance_after_20']:.2f}",
@@ -556,6 +606,7 @@ def density_sections(rep: Report, density: dict | None) -> None:
       [
         "method",
         "controller",
+        "N",
         "d",
         "median imbalance",
         "p90",
@@ -566,17 +617,17 @@ def density_sections(rep: Report, density: dict | None) -> None:
       rows,
     )
   )
-  fig, axes = plt.subplots(2, len(densities), figsize=(11, 6), squeeze=False)
-  for j, d in enumerate(densities):
+  fig, axes = plt.subplots(2, len(panels), figsize=(5.5 * len(panels), 6), squeeze=False)
+  for j, (size, d) in enumerate(panels):
     for r in runs:
-      if r["density"] == d and r["controller"] == "adaptive":
+      if (r["elements"], r["density"]) == (size, d) and r["controller"] == "adaptive":
         steps = np.arange(1, len(r["imbalance"]) + 1)
         axes[0][j].plot(steps, r["imbalance"], lw=0.8, color=COLORS[r["method"]], label=r["method"])
         frac = np.asarray(r["overflow"]) / np.maximum(np.asarray(r["selected"]), 1)
         axes[1][j].plot(steps, 100 * frac, lw=0.8, color=COLORS[r["method"]], label=r["method"])
     axes[0][j].axhline(1.5, color="r", ls="--", lw=1, label="capacity 1.5")
     axes[0][j].set_ylabel("imbalance (max/mean)")
-    axes[0][j].set_title(f"adaptive controller, d = {d}")
+    axes[0][j].set_title(f"adaptive, N = {size:,}, d = {d}")
     axes[1][j].set_ylabel("overflow / K (%)")
     axes[1][j].set_xlabel("step")
   axes[0][0].legend(fontsize=7)
@@ -756,6 +807,7 @@ def main():
   cost_section(rep, sources["cost"])
   traffic_section(rep, sources["traffic"])
   scale_section(rep, sources["scale_model"], sources["collectives"])
+  two_level_section(rep, sources["scale_model"])
   density_sections(rep, sources["density_control"])
   memory_section(rep, sources["traffic"])
   profile_section(rep, sources["profile"], sources["cost"])

@@ -16,6 +16,13 @@ class DenseState(NamedTuple):
 
   Attributes:
     stats: `SparsifierStats` of the last step.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, exdyna_jax
+    >>> tx = exdyna_jax.dense()
+    >>> state = jax.vmap(tx.init, in_axes=None, axis_name="data", axis_size=8)(jnp.zeros(16))
+    >>> isinstance(state, exdyna_jax.DenseState), state.stats.workloads.shape
+    (True, (8, 8))
   """
 
   stats: _stats.SparsifierStats
@@ -43,6 +50,21 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     `DenseState`.
+
+  Example:
+    Eight workers, one per forced CPU device, under ``jax.pmap``:
+
+    >>> import jax, jax.numpy as jnp, exdyna_jax
+    >>> tx = exdyna_jax.dense()
+    >>> params = jnp.zeros(4096)
+    >>> def step(g):  # runs per device
+    ...   return tx.update(g, tx.init(params), params)
+    >>> grads = jax.random.normal(jax.random.key(0), (8, 4096))
+    >>> updates, state = jax.pmap(step, axis_name="data")(grads)
+    >>> bool(jnp.allclose(updates, grads.mean(0), atol=1e-6))
+    True
+    >>> int(state.stats.transmitted[0])  # every element, every step
+    4096
   """
 
   def init_fn(params: Any) -> DenseState:
@@ -73,8 +95,9 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
             num_workers, layout.num_elements * _exchange.VALUE_BYTES
         ),
     )
-    return _feedback.skip_if_nonfinite(
-        nonfinite, lambda: (mean, DenseState(stats)), state, num_workers
+    mean, stats = _feedback.skip_if_nonfinite(
+        nonfinite, lambda: (mean, stats), state.stats, num_workers
     )
+    return mean, DenseState(stats)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

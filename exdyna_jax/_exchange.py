@@ -4,9 +4,10 @@ Each worker packs the indices it chose into a buffer of static capacity ``C``
 (unused slots hold the sentinel ``N``, which every later step ignores). One
 ``all_gather`` moves the ``[n, C]`` index buffers, with any small integer side
 information (such as counts) appended to them; every worker reads its
-own accumulated gradient at all gathered indices, the values are summed with
-one ``psum``, and the mean is written with a scatter that drops the sentinel.
-Every worker then clears its residual at every transmitted index.
+own accumulated gradient at all gathered indices and the values are summed
+with one ``psum``: a `SparseUpdate`. The mean is then written with a scatter
+that drops the sentinel, and every worker clears its residual at every
+transmitted index.
 
 Writing with *set* (not add) makes duplicate indices harmless: all copies of an
 index carry the same summed value.
@@ -273,20 +274,55 @@ def select_window(
   return Selection(indices, passed, sent)
 
 
+class SparseUpdate(NamedTuple):
+  """The aggregated update of one step, as index-value pairs.
+
+  Identical on every worker. A step is applied by writing ``values`` at
+  ``indices`` into zeros (the dense update) and clearing ``indices`` in the
+  accumulated gradient (the new residual). Both writes are scatters of
+  ``M`` elements, so the residual can stay in its own buffer: the error-feedback
+  shell applies them after the step's ``lax.cond``, which then returns only
+  these ``M`` pairs and no ``N``-sized array (an ``N``-sized result of a
+  ``cond`` would be copied into the donated state buffer).
+
+  Attributes:
+    indices: int32 ``[M]`` indices; the sentinel ``N`` (and anything else
+      ``>= N``) is ignored; duplicates must carry equal values.
+    values: float32 ``[M]`` the mean over the workers at ``indices``.
+  """
+
+  indices: jax.Array
+  values: jax.Array
+
+  @classmethod
+  def nothing(cls, like: SparseUpdate, num_elements: int) -> SparseUpdate:
+    """An update shaped ``like`` that writes nothing (every index the sentinel)."""
+    return cls(
+        jnp.full(like.indices.shape, num_elements, jnp.int32),
+        jnp.zeros(like.values.shape, like.values.dtype),
+    )
+
+  def dense(self, num_elements: int) -> jax.Array:
+    """float32 ``[N]``: ``values`` at ``indices``, zero elsewhere."""
+    zeros = jnp.zeros((num_elements,), self.values.dtype)
+    return zeros.at[self.indices].set(self.values, mode="drop")
+
+  def clear(self, accumulated: jax.Array) -> jax.Array:
+    """``accumulated`` (``[..., N]``) with every index in ``indices`` set to zero (in place)."""
+    return accumulated.at[..., self.indices].set(0.0, mode="drop")
+
+
 class Exchanged(NamedTuple):
   """Result of the index-union exchange, per worker.
 
   Attributes:
-    update: float32 ``[N]`` mean of all workers' accumulated gradients at the
-      transmitted indices, zero elsewhere; identical on every worker.
-    residual: float32 ``[N]`` this worker's accumulated gradient with every
-      transmitted index cleared.
+    sparse: the `SparseUpdate`: every gathered index with the mean of all
+      workers' accumulated gradients there; identical on every worker.
     gathered_indices: int32 ``[n, C]`` every worker's index buffer.
     gathered_info: int32 ``[n, S]`` every worker's side information.
   """
 
-  update: jax.Array
-  residual: jax.Array
+  sparse: SparseUpdate
   gathered_indices: jax.Array
   gathered_info: jax.Array
 
@@ -317,10 +353,8 @@ def gather_indices(
   return gathered[:, :capacity], gathered[:, capacity:]
 
 
-def aggregate_at(
-    accumulated: jax.Array, indices: jax.Array, axis_name: str
-) -> tuple[jax.Array, jax.Array]:
-  """Mean of all workers' accumulated gradients at ``indices``; clears them.
+def aggregate_at(accumulated: jax.Array, indices: jax.Array, axis_name: str) -> SparseUpdate:
+  """Mean of all workers' accumulated gradients at ``indices`` (one ``psum``).
 
   Args:
     accumulated: float32 ``[N]`` this worker's accumulated gradient.
@@ -329,27 +363,18 @@ def aggregate_at(
     axis_name: the data-parallel axis.
 
   Returns:
-    ``(update, residual)``: float32 ``[N]`` mean at ``indices`` and zero
-    elsewhere (identical on every worker); and ``accumulated`` with every
-    index in ``indices`` cleared.
+    The `SparseUpdate` at the flattened ``indices``.
   """
   num_workers = axis_size(axis_name)
   flat_indices = indices.reshape(-1)
   values = accumulated.at[flat_indices].get(mode="fill", fill_value=0)
-  mean = jax.lax.psum(values, axis_name) / num_workers
-  update = jnp.zeros(accumulated.shape, accumulated.dtype).at[flat_indices].set(mean, mode="drop")
-  # Zeros computed from the gathered values: the data dependency orders the
-  # in-place clearing after every read of `accumulated`, which spares XLA a
-  # defensive copy of the whole vector.
-  zeros = jnp.where(jnp.isfinite(values), values * 0.0, 0.0)
-  residual = accumulated.at[flat_indices].set(zeros, mode="drop")
-  return update, residual
+  return SparseUpdate(flat_indices, jax.lax.psum(values, axis_name) / num_workers)
 
 
 def exchange(
     accumulated: jax.Array, indices: jax.Array, side_info: jax.Array, axis_name: str
 ) -> Exchanged:
-  """All-gathers index buffers (and side information), sums values, scatters.
+  """All-gathers index buffers (and side information) and sums the values there.
 
   `gather_indices` followed by `aggregate_at` over the gathered indices.
 
@@ -363,8 +388,8 @@ def exchange(
     The `Exchanged` result.
   """
   gathered_indices, gathered_info = gather_indices(indices, side_info, axis_name)
-  update, residual = aggregate_at(accumulated, gathered_indices, axis_name)
-  return Exchanged(update, residual, gathered_indices, gathered_info)
+  sparse = aggregate_at(accumulated, gathered_indices, axis_name)
+  return Exchanged(sparse, gathered_indices, gathered_info)
 
 
 def broadcast_from(x: jax.Array, source: jax.Array, axis_name: str) -> jax.Array:

@@ -7,18 +7,24 @@ it checks the gradient tree, flattens it, adds the residual, guards against
 non-finite gradients, and unflattens the update.
 
 Non-finite policy (every registered method, SparDL and dense included, through
-`count_nonfinite` and `skip_if_nonfinite`): if the accumulated gradient
-``g + m`` of *any* worker holds a NaN or an infinity, *every* worker skips the
-step. The update is zero, and the residual, threshold, partitions, workloads
-and step counter keep their previous values, so the bad values never enter
-the state; ``stats.nonfinite`` counts the bad elements over all workers and
+`count_nonfinite` and `skip_if_nonfinite`): if the gradient ``g`` of *any*
+worker holds a NaN or an infinity, *every* worker skips the step. The update
+is zero, and the residual, threshold, partitions, workloads and step counter
+keep their previous values, so the bad values never enter the state;
+``stats.nonfinite`` counts the bad elements over all workers and
 ``stats.skipped_steps`` the skipped steps. The decision costs one int32
 ``psum`` per step, and all workers take it together: a per-worker decision
 (as ``optax.apply_if_finite`` makes) would desynchronise the replicas.
+The residual ``m`` is finite by construction (it only ever holds finite
+accumulated values), so screening ``g`` screens ``g + m``, except for finite
+values whose sum overflows float32 (``|g + m| > 3.4e38``), which is not
+screened. Screening ``g`` before the sum is formed lets the sum be written in
+place into the residual's buffer.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -37,16 +43,30 @@ class ErrorFeedbackState(NamedTuple):
       accumulated and has not yet had transmitted.
     stats: `SparsifierStats` of the last step (for ExDyna also the
       partitions and workloads the next step rebalances from).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, exdyna_jax
+    >>> tx = exdyna_jax.topk(density=0.01)
+    >>> params = jnp.zeros(4096)
+    >>> def step(g):  # runs per worker
+    ...   return tx.update(g, tx.init(params), params)
+    >>> grads = jax.random.normal(jax.random.key(0), (8, 4096))
+    >>> updates, state = jax.vmap(step, axis_name="data", axis_size=8)(grads)
+    >>> type(state).__name__, state.residual.shape  # [worker, N]: a residual each
+    ('ErrorFeedbackState', (8, 4096))
+    >>> kept_plus_sent = state.residual.sum(0) + 8 * updates[0]  # nothing is lost
+    >>> bool(jnp.allclose(kept_plus_sent, grads.sum(0), atol=1e-5))
+    True
   """
 
   residual: jax.Array
   stats: _stats.SparsifierStats
 
 
-# (accumulated [N], previous stats, n) -> (update [N], residual [N], stats)
+# (accumulated [N], previous stats, n) -> (aggregated update, stats)
 SparsifyFn = Callable[
     [jax.Array, _stats.SparsifierStats, int],
-    tuple[jax.Array, jax.Array, _stats.SparsifierStats],
+    tuple[_exchange.SparseUpdate, _stats.SparsifierStats],
 ]
 
 
@@ -62,9 +82,10 @@ def error_feedback_transform(
     axis_name: the data-parallel axis.
     initial_stats: ``(N, n) -> SparsifierStats`` before the first step (it
       also validates options that depend on ``N`` and ``n``).
-    sparsify: ``(accumulated, stats, n) -> (update, residual, stats)``, run
-      per worker inside the mapped context; ``stats`` are the previous
-      step's.
+    sparsify: ``(accumulated, stats, n) -> (sparse_update, stats)``, run per
+      worker inside the mapped context; ``stats`` are the previous step's.
+      The shell writes the `SparseUpdate` into the dense update and clears
+      its indices in the accumulated gradient to form the new residual.
 
   Returns:
     The optax transformation; its state is an `ErrorFeedbackState`.
@@ -82,17 +103,46 @@ def error_feedback_transform(
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     layout, num_workers = check_update(updates, state, params, axis_name)
-    accumulated = _layout.flatten(updates) + state.residual
-    nonfinite = count_nonfinite(accumulated, axis_name)
-
-    def step():
-      update, residual, stats = sparsify(accumulated, state.stats, num_workers)
-      return update, ErrorFeedbackState(residual, stats)
-
-    update, new_state = skip_if_nonfinite(nonfinite, step, state, num_workers)
-    return _layout.unflatten(update, layout), new_state
+    nonfinite = count_nonfinite(updates, axis_name)
+    accumulated = accumulate(updates, state.residual, nonfinite)  # [1, N]
+    sparse, stats = skip_if_nonfinite(
+        nonfinite,
+        lambda: sparsify(accumulated[0], state.stats, num_workers),
+        state.stats,
+        num_workers,
+        skipped=lambda shapes: _exchange.SparseUpdate.nothing(shapes, layout.num_elements),
+    )
+    update = sparse.dense(layout.num_elements)
+    residual = sparse.clear(accumulated)[0]
+    return _layout.unflatten(update, layout), ErrorFeedbackState(residual, stats)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def accumulate(updates: Any, residual: jax.Array, nonfinite: jax.Array) -> jax.Array:
+  """``a = g + m`` in float32, or ``m`` itself when the step is skipped, as ``[1, N]``.
+
+  The choice is made elementwise, in the pass that forms the sum, so ``a``
+  can take the residual's buffer in place when the state is donated: a
+  skipped step needs no copy of the old residual.
+
+  The result keeps a leading axis of 1 until the residual is written back
+  (index ``[0]`` to read it): under ``jax.pmap``, and under ``jax.shard_map``
+  with a leading worker axis on the state, the residual's device buffer is
+  ``[1, N]``, and XLA lets a result take an operand's buffer only when their
+  shapes are equal; computed as ``[N]``, the new residual would be copied into
+  the donated buffer every step (two passes over ``N``).
+
+  Args:
+    updates: this worker's gradient tree ``g``.
+    residual: float32 ``[N]`` the residual ``m``.
+    nonfinite: int32 `count_nonfinite` of this step's gradients.
+
+  Returns:
+    float32 ``[1, N]`` accumulated gradient.
+  """
+  residual = residual[None]
+  return jnp.where(nonfinite > 0, residual, _layout.flatten(updates)[None] + residual)
 
 
 def check_update(
@@ -149,51 +199,58 @@ def count_nonfinite(values: Any, axis_name: str) -> jax.Array:
 
 
 def skip_if_nonfinite(
-    nonfinite: jax.Array, step: Callable[[], tuple[Any, Any]], state: Any, num_workers: int
-) -> tuple[Any, Any]:
+    nonfinite: jax.Array,
+    step: Callable[[], tuple[Any, _stats.SparsifierStats]],
+    previous_stats: _stats.SparsifierStats,
+    num_workers: int,
+    *,
+    skipped: Callable[[Any], Any] | None = None,
+) -> tuple[Any, _stats.SparsifierStats]:
   """The non-finite policy, shared by every method: skip the step on all workers.
 
   ``step`` runs inside a ``lax.cond``, so a finite step costs nothing extra
-  (no select over the residual) and a skipped one does no work. ``nonfinite``
-  is the same on every worker, so all of them take the same branch and the
-  collectives inside ``step`` stay matched.
+  and a skipped one does no work. ``nonfinite`` is the same on every worker,
+  so all of them take the same branch and the collectives inside ``step``
+  stay matched.
 
   Args:
-    nonfinite: int32 `count_nonfinite` of this step's accumulated gradients.
-    step: ``() -> (update, new_state)``, the step proper; the state has a
-      ``stats`` field.
-    state: the state before the step.
+    nonfinite: int32 `count_nonfinite` of this step's gradients.
+    step: ``() -> (output, stats)``, the step proper.
+    previous_stats: the stats before the step.
     num_workers: ``n``, to price the count's ``psum`` in ``stats.bytes_sent``.
+    skipped: maps the shapes of ``step``'s output (``jax.ShapeDtypeStruct``
+      leaves) to the output of a skipped step; by default zeros.
 
   Returns:
-    ``step()`` when ``nonfinite == 0``; otherwise a zero update and ``state``
-    unchanged. Either way ``stats.nonfinite`` is set to ``nonfinite``,
-    ``stats.skipped_steps`` counts the skipped steps, and
+    ``step()`` when ``nonfinite == 0``; otherwise the ``skipped`` output and
+    ``previous_stats``. Either way ``stats.nonfinite`` is set to
+    ``nonfinite``, ``stats.skipped_steps`` counts the skipped steps, and
     ``stats.bytes_sent`` includes the count's ``psum`` (a skipped step sends
     nothing else).
   """
   skip = nonfinite > 0
+  if skipped is None:
+    skipped = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype))
 
-  def skipped():
-    update_shapes, _ = jax.eval_shape(step)
-    zeros = jax.tree.map(lambda u: jnp.zeros(u.shape, u.dtype), update_shapes)
-    silent = state.stats._replace(bytes_sent=jnp.zeros_like(state.stats.bytes_sent))
-    return zeros, state._replace(stats=silent)
+  def skip_step():
+    output_shapes, _ = jax.eval_shape(step)
+    silent = previous_stats._replace(bytes_sent=jnp.zeros_like(previous_stats.bytes_sent))
+    return skipped(output_shapes), silent
 
-  update, kept = jax.lax.cond(skip, skipped, step)
+  output, stats = jax.lax.cond(skip, skip_step, step)
   count_bytes = _exchange.ring_all_reduce_bytes(num_workers, _exchange.INDEX_BYTES)
-  stats = kept.stats._replace(
+  stats = stats._replace(
       nonfinite=nonfinite,
-      skipped_steps=state.stats.skipped_steps + skip.astype(jnp.int32),
-      bytes_sent=kept.stats.bytes_sent + count_bytes,
+      skipped_steps=previous_stats.skipped_steps + skip.astype(jnp.int32),
+      bytes_sent=stats.bytes_sent + count_bytes,
   )
-  return update, kept._replace(stats=stats)
+  return output, stats
 
 
-# (accumulated [N], previous stats, n, k) -> (update [N], residual [N], stats)
+# (accumulated [N], previous stats, n, k) -> (aggregated update, stats)
 BudgetSparsifyFn = Callable[
     [jax.Array, _stats.SparsifierStats, int, int],
-    tuple[jax.Array, jax.Array, _stats.SparsifierStats],
+    tuple[_exchange.SparseUpdate, _stats.SparsifierStats],
 ]
 
 
@@ -208,7 +265,7 @@ def fixed_budget_transform(
   Args:
     density: fraction ``d`` of gradient elements, in ``(0, 1]``.
     axis_name: the data-parallel axis.
-    sparsify: ``(accumulated, stats, n, k) -> (update, residual, stats)``.
+    sparsify: ``(accumulated, stats, n, k) -> (sparse_update, stats)``.
 
   Returns:
     The optax transformation; its state is an `ErrorFeedbackState`.

@@ -44,7 +44,7 @@ def hard_threshold(
   worker inside ``jax.shard_map``, ``jax.pmap`` or ``jax.vmap(axis_name=)``,
   on the worker's local, unreduced gradient, first in an ``optax.chain``.
 
-  Non-finite gradients are handled as in `exdyna`: if any worker's accumulated gradient
+  Non-finite gradients are handled as in `exdyna`: if any worker's gradient
   holds a NaN or an infinity, every worker skips the step (zero update,
   state unchanged) and ``stats.nonfinite`` / ``stats.skipped_steps`` count it.
 
@@ -70,6 +70,25 @@ def hard_threshold(
   References:
     Sahu et al., "Rethinking gradient sparsification as total error
     minimization", NeurIPS 2021.
+
+  Example:
+    Four workers simulated with ``jax.vmap``; worker ``w`` has one large
+    element, at index ``w``:
+
+    >>> import jax, jax.numpy as jnp, exdyna_jax
+    >>> tx = exdyna_jax.hard_threshold(threshold=0.5, capacity=4)
+    >>> params = jnp.zeros(8)
+    >>> grads = jnp.full((4, 8), 0.1).at[jnp.arange(4), jnp.arange(4)].set(1.0)
+    >>> def step(g):  # runs per worker
+    ...   updates, state = tx.update(g, tx.init(params), params)
+    ...   return updates, exdyna_jax.get_stats(state)
+    >>> updates, stats = jax.vmap(step, axis_name="data", axis_size=4)(grads)
+    >>> print(stats.workloads[0])  # each worker selected one element
+    [1 1 1 1]
+    >>> print(jnp.flatnonzero(updates[0]))  # the union of the choices
+    [0 1 2 3]
+    >>> round(float(updates[0, 0]), 4)  # mean of 1.0, 0.1, 0.1 and 0.1
+    0.325
   """
   if (density is None) == (threshold is None):
     raise ValueError(
@@ -119,7 +138,7 @@ def hard_threshold(
         num_elements=num_elements,
         bytes_sent=_exchange.exchange_bytes(num_workers, slots, 1),
     )
-    return exchanged.update, exchanged.residual, new_stats
+    return exchanged.sparse, new_stats
 
   return _feedback.error_feedback_transform(
       axis_name=axis_name,

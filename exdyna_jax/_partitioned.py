@@ -128,7 +128,7 @@ def partitioned_sparsifier(
             )
         ),
     )
-    return exchanged.update, exchanged.residual, new_stats
+    return exchanged.sparse, new_stats
 
   return _feedback.error_feedback_transform(
       axis_name=axis_name, initial_stats=initial_stats, sparsify=sparsify

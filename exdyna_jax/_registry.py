@@ -32,16 +32,18 @@ SPARSIFIERS: dict[str, Factory] = {
 
 
 def available_sparsifiers() -> tuple[str, ...]:
-  """Names accepted by `get_sparsifier`, sorted."""
+  """Names accepted by `get_sparsifier`, sorted.
+
+  Example:
+    >>> import exdyna_jax
+    >>> exdyna_jax.available_sparsifiers()
+    ('cltk', 'dense', 'exdyna', 'hard_threshold', 'micro', 'spardl', 'topk')
+  """
   return tuple(sorted(SPARSIFIERS))
 
 
 def get_sparsifier(name: str, **options: Any) -> optax.GradientTransformationExtraArgs:
   """Builds the sparsifier called ``name`` with keyword ``options``.
-
-  Example::
-
-    tx = exdyna_jax.get_sparsifier("topk", density=0.01)
 
   Args:
     name: one of `available_sparsifiers` (case and ``-``/``_`` are ignored).
@@ -53,6 +55,17 @@ def get_sparsifier(name: str, **options: Any) -> optax.GradientTransformationExt
 
   Raises:
     ValueError: for an unknown name, listing the valid ones.
+
+  Example:
+    >>> import optax, exdyna_jax
+    >>> tx = exdyna_jax.get_sparsifier("Hard-Threshold", density=0.01)
+    >>> isinstance(tx, optax.GradientTransformationExtraArgs)
+    True
+    >>> tx = exdyna_jax.get_sparsifier("exdyna", density=0.001, num_blocks=256)
+    >>> exdyna_jax.get_sparsifier("powersgd", density=0.01)
+    Traceback (most recent call last):
+      ...
+    ValueError: Unknown sparsifier 'powersgd'; valid names: cltk, dense, exdyna, ...
   """
   key = name.lower().replace("-", "_") if isinstance(name, str) else name
   if key not in SPARSIFIERS:

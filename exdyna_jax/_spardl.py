@@ -49,6 +49,22 @@ class SparDLRounds(NamedTuple):
       each Bruck round (round ``j`` forwards ``min(2**j, n - 2**j)`` lists of
       ``k_b`` pairs). Their sum, ``(n - 1) k_b`` pairs, is also what a ring
       all-gather sends.
+
+  Example:
+    The rounds depend only on the number of workers, the schedule and
+    ``k_b`` (here ``N = 4096`` over 8 workers at density 0.01: ``k_b = 5``
+    pairs of 8 bytes per block):
+
+    >>> import jax, jax.numpy as jnp, exdyna_jax
+    >>> def rounds(schedule):
+    ...   tx = exdyna_jax.spardl(density=0.01, schedule=schedule)
+    ...   init = jax.vmap(tx.init, in_axes=None, axis_name="data", axis_size=8)
+    ...   return jax.tree.map(lambda x: x[0].tolist(), init(jnp.zeros(4096)).rounds)
+    >>> rounds("log")
+    SparDLRounds(reduce_scatter_rounds=3, reduce_scatter_bytes=[160, 80, 40],
+                 all_gather_rounds=3, all_gather_bytes=[40, 80, 160])
+    >>> rounds("ring").reduce_scatter_bytes
+    [40, 40, 40, 40, 40, 40, 40]
   """
 
   reduce_scatter_rounds: jax.Array
@@ -74,6 +90,24 @@ class SparDLState(NamedTuple):
       (padding excluded), and ``bytes_sent`` is this worker's total of both
       phases.
     rounds: `SparDLRounds`, the per-round traffic (constant).
+
+  Example:
+    Nothing is lost: what the workers sent plus what they kept is what they
+    had.
+
+    >>> import jax, jax.numpy as jnp, exdyna_jax
+    >>> n = 8
+    >>> tx = exdyna_jax.spardl(density=0.01)
+    >>> params = jnp.zeros(4096)
+    >>> def step(g):  # runs per worker
+    ...   return tx.update(g, tx.init(params), params)
+    >>> grads = jax.random.normal(jax.random.key(0), (n, 4096))
+    >>> updates, state = jax.jit(jax.vmap(step, axis_name="data", axis_size=n))(grads)
+    >>> type(state).__name__, state.residual.shape  # [worker, N]
+    ('SparDLState', (8, 4096))
+    >>> kept_plus_sent = state.residual.sum(0) + n * updates[0]
+    >>> bool(jnp.allclose(kept_plus_sent, grads.sum(0), atol=1e-5))
+    True
   """
 
   residual: jax.Array
@@ -181,13 +215,6 @@ def spardl(
   axis_name=..., axis_size=n)``); ``grads`` is the worker's local, unreduced
   gradient, so the transform goes first in an ``optax.chain``.
 
-  Example::
-
-    tx = optax.chain(exdyna_jax.spardl(density=0.01), optax.sgd(0.1, momentum=0.9))
-    # inside jax.shard_map(..., mesh=mesh) over axis "data":
-    updates, opt_state = tx.update(local_grads, opt_state, params)
-    rounds = optax.tree.get(opt_state, "rounds")  # SparDLRounds
-
   Small cases, by design rather than errors: with one worker there are no
   rounds and the transform is exact top-``k_b`` with error feedback (``k_b =
   max(1, floor(density * N))``); a density below ``1 / L`` still sends one
@@ -195,7 +222,7 @@ def spardl(
   density is then ``n / N``-ish, above the requested one, as
   ``stats.transmitted`` shows.
 
-  Non-finite gradients are handled as in `exdyna`: if any worker's accumulated gradient
+  Non-finite gradients are handled as in `exdyna`: if any worker's gradient
   holds a NaN or an infinity, every worker skips the step (zero update,
   state unchanged) and ``stats.nonfinite`` / ``stats.skipped_steps`` count it.
 
@@ -222,6 +249,27 @@ def spardl(
     Zhao et al., "SparDL: Distributed Deep Learning Training with Efficient
     Sparse Communication", arXiv:2304.00737 (released code:
     ``ZJU-DAILY/SparDL``, ``allreducer.py``).
+
+  Example:
+    Eight workers simulated with ``jax.vmap`` (``N = 4096``: blocks of
+    ``L = 512``, ``k_b = 5``):
+
+    >>> import jax, jax.numpy as jnp, exdyna_jax
+    >>> n = 8
+    >>> tx = exdyna_jax.spardl(density=0.01)
+    >>> params = jnp.zeros(4096)
+    >>> def step(g):  # runs per worker
+    ...   return tx.update(g, tx.init(params), params)
+    >>> grads = jax.random.normal(jax.random.key(0), (n, 4096))
+    >>> updates, state = jax.jit(jax.vmap(step, axis_name="data", axis_size=n))(grads)
+
+    Exactly ``k_b`` elements of each of the 8 blocks are sent, in
+    ``ceil(log2 8) = 3`` rounds per phase:
+
+    >>> int(state.stats.transmitted[0]), int((updates[0] != 0).sum())
+    (40, 40)
+    >>> int(state.rounds.reduce_scatter_rounds[0]), int(state.rounds.all_gather_rounds[0])
+    (3, 3)
   """
   density = _options.check_density(density)
   if schedule not in SCHEDULES:
@@ -268,8 +316,8 @@ def spardl(
     num_elements = layout.num_elements
     block, per_block = geometry(num_elements, n)
 
-    accumulated = _layout.flatten(updates) + state.residual
-    nonfinite = _feedback.count_nonfinite(accumulated, axis_name)
+    nonfinite = _feedback.count_nonfinite(updates, axis_name)
+    accumulated = _feedback.accumulate(updates, state.residual, nonfinite)[0]
 
     def step():
       blocks = jnp.pad(accumulated, (0, n * block - num_elements)).reshape(n, block)
@@ -326,7 +374,6 @@ def spardl(
       transmitted = jnp.sum(workloads)
       threshold = jnp.min(jnp.where(real, jnp.abs(gathered_values) / n, jnp.inf))
       threshold = jnp.where(transmitted > 0, threshold, 0.0).astype(jnp.float32)
-      rounds = rounds_of(n, per_block)
       stats = state.stats
       new_stats = _stats.SparsifierStats(
           step=stats.step + 1,
@@ -340,10 +387,16 @@ def spardl(
           partition_sizes=stats.partition_sizes,
           bytes_sent=_stats.static_bytes(2 * (n - 1) * per_block * PAIR_BYTES),
       )
-      new_state = SparDLState(residual=residual, stats=new_stats, rounds=rounds)
-      return update, new_state
+      return (update, residual), new_stats
 
-    update, new_state = _feedback.skip_if_nonfinite(nonfinite, step, state, n)
+    (update, residual), stats = _feedback.skip_if_nonfinite(
+        nonfinite,
+        step,
+        state.stats,
+        n,
+        skipped=lambda shapes: (jnp.zeros(shapes[0].shape, shapes[0].dtype), accumulated),
+    )
+    new_state = SparDLState(residual=residual, stats=stats, rounds=rounds_of(n, per_block))
     return _layout.unflatten(update, layout), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

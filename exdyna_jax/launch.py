@@ -75,6 +75,19 @@ def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
   sets the CPU device count and returns ``False``: the script then runs as a
   single process, unchanged.
 
+  Example:
+    First thing in the worker script, before any JAX computation::
+
+      from exdyna_jax import launch
+      launch.initialize_from_env()
+      import jax  # jax.devices() now lists the devices of every process
+
+    Without the variables, the script runs as one process:
+
+    >>> from exdyna_jax import launch
+    >>> launch.initialize_from_env({})
+    False
+
   Args:
     environ: the environment to read (default ``os.environ``).
 
@@ -119,7 +132,20 @@ def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-  """A TCP port that is free right now (bind to port 0 and let the OS pick)."""
+  """A TCP port that is free right now (bind to port 0 and let the OS pick).
+
+  Example:
+    >>> from exdyna_jax import launch
+    >>> port = launch.free_port()
+    >>> 1024 <= port < 65536
+    True
+
+  Args:
+    host: the interface to bind to.
+
+  Returns:
+    The port number; another process may take it once this returns.
+  """
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
     sock.bind((host, 0))
     return sock.getsockname()[1]
@@ -169,6 +195,16 @@ def launch(
     stderr=None,
 ) -> int:
   """Runs ``command`` as ``processes`` cooperating JAX processes on this machine.
+
+  Example:
+    Two processes of two CPU devices each, from Python (the command line
+    ``python -m exdyna_jax.launch`` does the same)::
+
+      import sys
+      from exdyna_jax import launch
+      code = launch.launch([sys.executable, "train.py"], processes=2,
+                           devices_per_process=2, timeout=300)
+      assert code == 0, f"a worker failed or timed out (exit code {code})"
 
   Args:
     command: the program and its arguments, e.g. ``["python", "train.py"]``.
@@ -274,8 +310,23 @@ def launch(
   return result
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  """Command line: ``python -m exdyna_jax.launch [options] -- command ...``."""
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  """Parses the command line of ``python -m exdyna_jax.launch``.
+
+  Example:
+    >>> from exdyna_jax import launch
+    >>> args = launch.parse_args(
+    ...     ["--processes", "2", "--devices-per-process", "2", "--", "python", "train.py"])
+    >>> args.processes, args.devices_per_process, args.timeout, args.command
+    (2, 2, 600.0, ['python', 'train.py'])
+
+  Args:
+    argv: the arguments after the program name (default ``sys.argv[1:]``).
+
+  Returns:
+    The options, with ``command`` the worker's command line (``--`` removed).
+    Exits with a usage message (``SystemExit``) if no command is given.
+  """
   parser = argparse.ArgumentParser(
       prog="python -m exdyna_jax.launch",
       description=(
@@ -305,11 +356,31 @@ def main(argv: Sequence[str] | None = None) -> int:
   )
   parser.add_argument("command", nargs=argparse.REMAINDER, help="-- program args...")
   args = parser.parse_args(argv)
-  command = args.command[1:] if args.command[:1] == ["--"] else args.command
-  if not command:
+  args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
+  if not args.command:
     parser.error("no command given (put it after --)")
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Command line: ``python -m exdyna_jax.launch [options] -- command ...``.
+
+  Example:
+    The same as the command line, from Python::
+
+      from exdyna_jax import launch
+      code = launch.main(["--processes", "2", "--devices-per-process", "2",
+                          "--", "python", "examples/multihost_train.py"])
+
+  Args:
+    argv: the arguments after the program name (default ``sys.argv[1:]``).
+
+  Returns:
+    The exit code of `launch`.
+  """
+  args = parse_args(argv)
   return launch(
-      command,
+      args.command,
       processes=args.processes,
       devices_per_process=args.devices_per_process,
       timeout=args.timeout,

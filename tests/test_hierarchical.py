@@ -1,17 +1,27 @@
 """`exdyna_jax.hierarchical` on 8 forced devices as (2, 4) and (4, 2) meshes.
 
-Every device's gradient is averaged densely over the fast axis ``"local"``;
-each method then runs across the slow axis ``"node"`` as if every node were
-one worker. The reference is the independent NumPy models of the flat
-methods (`tests/models`), fed the mean over ``local`` of each node's
-gradients. The gradients are multiples of ``2**-16`` well inside float32's
-range, so that mean is exact in any summation order and the models see
+Both ways of reducing over the fast axis ``"local"`` are checked against the
+independent NumPy models of the flat methods (`tests/models`), fed the mean
+over ``local`` of each node's gradients:
+
+* ``fast_reduce="psum"``: every device holds the whole node mean, and each
+  method runs across the slow axis ``"node"`` as if every node were one
+  worker: one model run over ``[nodes, T, N]``, the same on every device.
+* ``fast_reduce="scatter"``: the node mean is flattened, zero-padded to
+  ``L * S`` (``S = ceil(N / L)``; ``N = 2143`` is a multiple of neither 2 nor
+  4, so the padding is exercised) and local device ``l`` runs the method on
+  slice ``l`` only: one model run per slice over ``[nodes, T, S]``, the
+  update the concatenation of the slices' updates.
+
+The gradients are multiples of ``2**-16`` well inside float32's range, so
+the node mean is exact in any summation order and the models see
 bit-identical inputs.
 
 The compiled HLO is also checked: the sparse collectives (all-gather of
 indices, the small all-reduces, SparDL's permutes) run only over the slow
-axis's replica groups, and the one dense all-reduce only over the fast
-axis's groups.
+axis's replica groups, and the dense ones (the all-reduce, or the
+reduce-scatter and all-gather) only over the fast axis's groups; and the
+inter-node bytes of the compiled program drop by ``L`` in scatter mode.
 """
 
 from __future__ import annotations
@@ -23,10 +33,12 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import P
 
 import exdyna_jax
+from exdyna_jax import _hlo
 from tests.harness import _scan_steps, to_numpy
 from tests.models import peers_model
 from tests.models.exdyna_model import ExDynaModel
@@ -37,9 +49,9 @@ MESHES = {"2x4": (2, 4), "4x2": (4, 2)}
 NUM_STEPS = 10
 DENSITY = 0.05
 NUM_BLOCKS = 16
-SHAPES = {"b": (64,), "w": (32, 65)}  # leaves in this (sorted-key) order
-NUM_ELEMENTS = sum(math.prod(shape) for shape in SHAPES.values())  # 2144
-K = math.floor(DENSITY * NUM_ELEMENTS)
+SHAPES = {"b": (63,), "w": (32, 65)}  # leaves in this (sorted-key) order
+NUM_ELEMENTS = sum(math.prod(shape) for shape in SHAPES.values())  # 2143
+MODES = ("psum", "scatter")
 PARAMS = {name: jnp.zeros(shape, jnp.float32) for name, shape in SHAPES.items()}
 QUANTUM = 2.0**-16
 
@@ -72,12 +84,19 @@ def _to_flat(tree, lead: int) -> np.ndarray:
   return np.concatenate([leaf.reshape(*shape, -1) for leaf in leaves], axis=-1)
 
 
-def _capacity(factor: float, num_nodes: int) -> int:
-  return math.ceil(factor * K / num_nodes)
+def _k(num_elements: int) -> int:
+  return math.floor(DENSITY * num_elements)
+
+
+def _capacity(factor: float, num_nodes: int, num_elements: int) -> int:
+  return math.ceil(factor * _k(num_elements) / num_nodes)
+
+
+# Every model takes node-level gradients [nodes, T, M] (M = N, or a slice's S).
 
 
 def _exdyna_model(g):
-  model = ExDynaModel(NUM_ELEMENTS, g.shape[0], DENSITY, NUM_BLOCKS, 1.5)
+  model = ExDynaModel(g.shape[-1], g.shape[0], DENSITY, NUM_BLOCKS, 1.5)
   records = model.run(g)
   return {
       "updates": np.stack([r.update for r in records]),
@@ -109,7 +128,7 @@ def _trace_model(fn):
 
 
 def _spardl_model(g):
-  model = SparDLModel(g.shape[0], NUM_ELEMENTS, DENSITY, "log")
+  model = SparDLModel(g.shape[0], g.shape[-1], DENSITY, "log")
   steps = [model.step(g[:, t]) for t in range(g.shape[1])]
   return {
       "updates": np.stack([u for u, _ in steps]),
@@ -127,7 +146,9 @@ CASES = {
     ),
     "micro": (
         lambda: exdyna_jax.micro(DENSITY, axis_name=NODE, controller="reference"),
-        _trace_model(lambda g: peers_model.micro(g, DENSITY, _capacity(1.5, g.shape[0]))),
+        _trace_model(
+            lambda g: peers_model.micro(g, DENSITY, _capacity(1.5, g.shape[0], g.shape[-1]))
+        ),
     ),
     "topk": (
         lambda: exdyna_jax.topk(DENSITY, axis_name=NODE),
@@ -137,7 +158,7 @@ CASES = {
         lambda: exdyna_jax.hard_threshold(DENSITY, axis_name=NODE),
         _trace_model(
             lambda g: peers_model.hard_threshold(
-                g, peers_model.initial_threshold(K), math.ceil(2.0 * K)
+                g, peers_model.initial_threshold(_k(g.shape[-1])), math.ceil(2.0 * _k(g.shape[-1]))
             )
         ),
     ),
@@ -149,10 +170,11 @@ CASES = {
     "dense": (lambda: exdyna_jax.dense(axis_name=NODE), _trace_model(peers_model.dense)),
 }
 # Every method on 4 nodes; the methods with distinct collective patterns on 2.
-RUNS = [(case, "4x2") for case in CASES] + [
-    ("exdyna", "2x4"),
-    ("topk", "2x4"),
-    ("spardl", "2x4"),
+RUNS = [
+    (case, mesh_name, mode)
+    for mode in MODES
+    for case, mesh_name in [(case, "4x2") for case in CASES]
+    + [("exdyna", "2x4"), ("topk", "2x4"), ("spardl", "2x4")]
 ]
 
 
@@ -171,10 +193,10 @@ def _mesh(name: str) -> jax.sharding.Mesh:
 
 
 @functools.cache
-def _run(case: str, mesh_name: str):
+def _run(case: str, mesh_name: str, mode: str):
   """``(grads [nodes, local, T, N], updates, states, compiled HLO text)`` as NumPy."""
   mesh = _mesh(mesh_name)
-  tx = exdyna_jax.hierarchical(CASES[case][0](), fast_axis=LOCAL)
+  tx = exdyna_jax.hierarchical(CASES[case][0](), fast_axis=LOCAL, fast_reduce=mode)
   per_device = _scan_steps(tx, PARAMS)
 
   def body(grads):
@@ -192,38 +214,65 @@ def _run(case: str, mesh_name: str):
   return grads, _to_flat(updates, 3), states, compiled.as_text()
 
 
-@pytest.mark.parametrize(("case", "mesh_name"), RUNS)
-def test_matches_model_of_node_means(case, mesh_name):
-  grads, updates, states, _ = _run(case, mesh_name)
+def _slice_models(case: str, node_mean: np.ndarray, num_local: int, mode: str):
+  """``(model of each local rank, slice width)`` for node-mean gradients ``[nodes, T, N]``.
+
+  psum: one model over the whole vector, the same for every local rank.
+  scatter: the vector zero-padded to ``L * S``, local rank ``l``'s model over
+  elements ``[l*S, (l+1)*S)``.
+  """
+  model = CASES[case][1]
+  if mode == "psum":
+    return [model(node_mean)] * num_local, NUM_ELEMENTS
+  width = math.ceil(NUM_ELEMENTS / num_local)
+  padded = np.zeros((*node_mean.shape[:-1], num_local * width), np.float32)
+  padded[..., :NUM_ELEMENTS] = node_mean
+  slices = [padded[..., l * width : (l + 1) * width] for l in range(num_local)]  # noqa: E741
+  return [model(s) for s in slices], width
+
+
+@pytest.mark.parametrize(("case", "mesh_name", "mode"), RUNS)
+def test_matches_model_of_node_means(case, mesh_name, mode):
+  grads, updates, states, _ = _run(case, mesh_name, mode)
   num_nodes, num_local = MESHES[mesh_name]
   node_mean = grads.mean(axis=1, dtype=np.float32)  # exact: a 2**-16 grid
   np.testing.assert_array_equal(node_mean * num_local, grads.sum(axis=1, dtype=np.float64))
-  expected = CASES[case][1](node_mean)
+  models, width = _slice_models(case, node_mean, num_local, mode)
+  if mode == "psum":
+    expected_update = models[0]["updates"]
+  else:
+    expected_update = np.concatenate([m["updates"] for m in models], -1)[:, :NUM_ELEMENTS]
 
   # One update on all 8 devices, equal to the model's.
   for node in range(num_nodes):
     for local in range(num_local):
       np.testing.assert_array_equal(updates[node, local], updates[0, 0])
-  np.testing.assert_array_equal(updates[0, 0] != 0, expected["updates"] != 0)
-  np.testing.assert_allclose(updates[0, 0], expected["updates"], rtol=1e-5, atol=1e-9)
+  np.testing.assert_array_equal(updates[0, 0] != 0, expected_update != 0)
+  np.testing.assert_allclose(updates[0, 0], expected_update, rtol=1e-5, atol=1e-9)
 
-  # Every device of a node holds that node's residual, exactly the model's.
+  # Device (node, l) holds the residual of node `node` in local rank l's model:
+  # the node's whole residual (psum), or that of its slice (scatter).
   residuals = getattr(states, "residual", None)
   if residuals is None:  # dense keeps none
-    residuals = np.zeros((num_nodes, num_local, NUM_STEPS, NUM_ELEMENTS), np.float32)
+    residuals = np.zeros((num_nodes, num_local, NUM_STEPS, width), np.float32)
   else:
-    residuals = residuals.reshape(num_nodes, num_local, NUM_STEPS, -1)[..., :NUM_ELEMENTS]
+    residuals = residuals.reshape(num_nodes, num_local, NUM_STEPS, -1)
+    assert residuals.shape[-1] == width or case == "spardl"  # SparDL pads to n blocks
+    residuals = residuals[..., :width]
   for local in range(num_local):
-    np.testing.assert_array_equal(residuals[:, local], expected["residuals"])
+    np.testing.assert_array_equal(residuals[:, local], models[local]["residuals"])
 
   # Conservation per node: sum_node m(new) + nodes * update == sum_node (mean + m(old)).
-  node_residuals = residuals[:, 0]
+  if mode == "psum":
+    node_residuals = residuals[:, 0]
+  else:  # the slices' residuals side by side: [nodes, T, N]
+    node_residuals = np.concatenate(list(residuals.swapaxes(0, 1)), -1)[..., :NUM_ELEMENTS]
   previous = np.concatenate([np.zeros_like(node_residuals[:, :1]), node_residuals[:, :-1]], 1)
   accumulated = np.sum(node_mean + previous, axis=0, dtype=np.float64)
   kept = np.sum(node_residuals, axis=0, dtype=np.float64) + num_nodes * updates[0, 0]
   np.testing.assert_allclose(kept, accumulated, rtol=1e-5, atol=1e-6)
 
-  # Statistics: n = number of nodes, the same on every device.
+  # Statistics: n = number of nodes; device (node, l) reports local rank l's model.
   stats = states.stats
   assert stats.workloads.shape[-1] == num_nodes
   for name in (
@@ -235,21 +284,30 @@ def test_matches_model_of_node_means(case, mesh_name):
       "partition_starts",
       "partition_sizes",
   ):
-    if name in expected:
-      got = np.asarray(getattr(stats, name))
+    got = np.asarray(getattr(stats, name))
+    for local in range(num_local):
+      if name not in models[local]:
+        continue
       for node in range(num_nodes):
-        for local in range(num_local):
-          np.testing.assert_array_equal(got[node, local], expected[name], err_msg=name)
+        np.testing.assert_array_equal(got[node, local], models[local][name], err_msg=name)
   np.testing.assert_array_equal(stats.step[0, 0], np.arange(1, NUM_STEPS + 1))
 
 
 def test_the_data_exercise_exdyna():
   """Partitions move and nodes disagree, so the comparisons are not vacuous."""
-  _, _, states, _ = _run("exdyna", "4x2")
-  sizes = states.stats.partition_sizes[0, 0]
-  assert len({tuple(row) for row in sizes}) > 2
-  _, _, states, _ = _run("topk", "4x2")
-  assert np.all(states.stats.transmitted[0, 0] > K)  # the nodes' top-k differ
+  for mode in MODES:
+    _, _, states, _ = _run("exdyna", "4x2", mode)
+    sizes = states.stats.partition_sizes[0, 0]
+    assert len({tuple(row) for row in sizes}) > 2, mode
+    _, _, states, _ = _run("topk", "4x2", mode)
+    k = _k(NUM_ELEMENTS if mode == "psum" else math.ceil(NUM_ELEMENTS / 2))
+    assert np.all(states.stats.transmitted[0, 0] > k), mode  # the nodes' top-k differ
+  # Scatter mode: the slices keep their own thresholds and partitions.
+  _, _, states, _ = _run("exdyna", "2x4", "scatter")
+  stats = states.stats
+  assert len({tuple(row) for row in stats.selected[0].tolist()}) == 4  # [local, T]
+  assert len({tuple(row) for row in stats.threshold[0].tolist()}) > 1
+  assert len({tuple(row.ravel()) for row in stats.partition_sizes[0]}) > 1
 
 
 # --- The compiled HLO: which collective runs over which replica groups. ---
@@ -324,12 +382,19 @@ def test_replica_group_parser():
   assert op[:2] == ("all-reduce", 10)
 
 
-@pytest.mark.parametrize(("case", "mesh_name"), RUNS)
-def test_hlo_sparse_only_across_nodes_dense_only_within(case, mesh_name):
-  *_, hlo = _run(case, mesh_name)
+def _axis_groups(mesh_name: str):
+  """``(fast, slow)`` replica groups of the mesh: one per node, one per local rank."""
   ids = np.asarray([d.id for d in _mesh(mesh_name).devices.flat]).reshape(MESHES[mesh_name])
-  fast = frozenset(frozenset(row) for row in ids.tolist())  # one group per node
-  slow = frozenset(frozenset(col) for col in ids.T.tolist())  # one per local rank
+  return frozenset(frozenset(r) for r in ids.tolist()), frozenset(
+      frozenset(c) for c in ids.T.tolist()
+  )
+
+
+@pytest.mark.parametrize(("case", "mesh_name", "mode"), RUNS)
+def test_hlo_sparse_only_across_nodes_dense_only_within(case, mesh_name, mode):
+  *_, hlo = _run(case, mesh_name, mode)
+  fast, slow = _axis_groups(mesh_name)
+  num_local = MESHES[mesh_name][1]
 
   def within(groups, axis_groups):
     return all(any(g <= a for a in axis_groups) for g in groups)
@@ -339,22 +404,100 @@ def test_hlo_sparse_only_across_nodes_dense_only_within(case, mesh_name):
   slow_ops = [op for op in ops if within(op[2], slow) and not within(op[2], fast)]
   assert len(fast_ops) + len(slow_ops) == len(ops), ops  # nothing spans both axes
 
-  # Within a node: exactly the dense mean of the N-element gradient.
-  assert [op[0] for op in fast_ops] == ["all-reduce"], fast_ops
-  assert fast_ops[0][1] == NUM_ELEMENTS
+  if mode == "psum":
+    # Within a node: exactly the dense mean of the N-element gradient.
+    assert [op[:2] for op in fast_ops] == [("all-reduce", NUM_ELEMENTS)], fast_ops
+    width = NUM_ELEMENTS
+  else:
+    # Within a node: a reduce-scatter of the padded gradient (result: the
+    # slice), an all-gather of the slices' updates, and the one-scalar
+    # non-finite screen.
+    width = math.ceil(NUM_ELEMENTS / num_local)
+    assert sorted(op[:2] for op in fast_ops) == [
+        ("all-gather", num_local * width),
+        ("all-reduce", 1),
+        ("reduce-scatter", width),
+    ], fast_ops
 
   # Across nodes: the method's own exchange; sparse (small) unless it is dense.
   assert slow_ops
-  small = [op for op in slow_ops if op[1] < NUM_ELEMENTS // 2]
+  small = [op for op in slow_ops if op[1] < width // 2]
   if case == "dense":  # the baseline: dense across nodes too, plus scalars
-    assert [op[:2] for op in slow_ops if op not in small] == [("all-reduce", NUM_ELEMENTS)]
+    assert [op[:2] for op in slow_ops if op not in small] == [("all-reduce", width)]
   else:
     assert small == slow_ops, slow_ops
   kinds = {op[0] for op in slow_ops}
+  assert "reduce-scatter" not in kinds
   if case in ("exdyna", "micro", "topk", "hard_threshold"):
     assert {"all-gather", "all-reduce"} <= kinds, kinds
   if case == "spardl":
     assert "collective-permute" in kinds, kinds
+
+
+# --- Inter-node bytes of the compiled program: scatter mode divides them by L. ---
+
+BIG_SHAPES = {"w": (1024, 1024)}  # N = 2**20, compiled only
+BIG_DENSITY = 0.001
+
+
+def axis_bytes(case: str, mesh_name: str, mode: str) -> dict[str, float]:
+  """Bytes one device sends per step over each mesh axis, from the compiled HLO.
+
+  ExDyna's defaults (1024 blocks) at ``d = 0.001`` on ``N = 2**20``; every
+  op's ring cost (`exdyna_jax._hlo.ring_cost`) is attributed to the axis its
+  group size belongs to (the meshes are not square).
+  """
+  num_nodes, num_local = MESHES[mesh_name]
+  assert num_nodes != num_local
+  sparsifier = {
+      "exdyna": lambda: exdyna_jax.exdyna(BIG_DENSITY, axis_name=NODE),
+      "topk": lambda: exdyna_jax.topk(BIG_DENSITY, axis_name=NODE),
+      "dense": lambda: exdyna_jax.dense(axis_name=NODE),
+  }[case]()
+  tx = exdyna_jax.hierarchical(sparsifier, fast_axis=LOCAL, fast_reduce=mode)
+  params = {k: jnp.zeros(v, jnp.float32) for k, v in BIG_SHAPES.items()}
+
+  def body(grads):
+    grads = jax.tree.map(lambda g: g[0, 0], grads)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    return jax.tree.map(lambda u: u[None, None], updates)
+
+  spec = P(NODE, LOCAL)
+  fn = jax.jit(
+      jax.shard_map(body, mesh=_mesh(mesh_name), in_specs=spec, out_specs=spec, check_vma=False)
+  )
+  abstract = {
+      k: jax.ShapeDtypeStruct((num_nodes, num_local, *v), jnp.float32)
+      for k, v in BIG_SHAPES.items()
+  }
+  text = fn.lower(abstract).compile().as_text()
+  out = {"node": 0.0, "local": 0.0}
+  for op in _hlo.collectives(text, num_nodes * num_local):
+    assert op["kind"] != "collective-permute" and op["group"] in (num_nodes, num_local), op
+    out["node" if op["group"] == num_nodes else "local"] += _hlo.ring_cost(op)["bytes"]
+  return out
+
+
+def test_scatter_divides_inter_node_bytes_by_local_devices():
+  """ExDyna on 2 nodes x 4 devices, N = 2**20, d = 0.001 (compiled, not run)."""
+  num_nodes, num_local = MESHES["2x4"]
+  num_elements = math.prod(BIG_SHAPES["w"])
+  psum, scatter = axis_bytes("exdyna", "2x4", "psum"), axis_bytes("exdyna", "2x4", "scatter")
+  # Per node and step: L devices each repeat the whole exchange (psum), or
+  # each send the exchange of one slice (scatter).
+  node_psum, node_scatter = num_local * psum["node"], num_local * scatter["node"]
+  assert node_psum / node_scatter == pytest.approx(num_local, rel=0.05), (psum, scatter)
+  assert node_scatter == pytest.approx(psum["node"], rel=0.05)
+  # One ExDyna worker of H: an all-gather of C + 1 indices and an all-reduce of
+  # n C values (docs/multihost.md), plus small control all-reduces.
+  k = math.floor(BIG_DENSITY * num_elements)
+  capacity = math.ceil(1.5 * k / num_nodes)
+  one_worker = (num_nodes - 1) * (capacity + 1) * 4 + 2 * (num_nodes - 1) * capacity * 4
+  assert one_worker < psum["node"] < one_worker + 200
+  # The fast links carry the same: all-reduce = reduce-scatter + all-gather.
+  dense_mean = 2 * (num_local - 1) / num_local * 4 * num_elements
+  assert psum["local"] == pytest.approx(dense_mean, rel=1e-6)
+  assert scatter["local"] == pytest.approx(dense_mean, rel=1e-3)
 
 
 def test_fast_axis_must_be_bound():
@@ -363,11 +506,19 @@ def test_fast_axis_must_be_bound():
     jax.vmap(tx.init, axis_name=NODE, axis_size=2)(jnp.zeros((2, 64)))
   with pytest.raises(ValueError, match="fast_axis must be"):
     exdyna_jax.hierarchical(exdyna_jax.dense(), fast_axis="")
+  with pytest.raises(ValueError, match="fast_reduce must be one of"):
+    exdyna_jax.hierarchical(exdyna_jax.dense(), fast_reduce="mean")
 
 
-def test_nested_vmap_and_bfloat16():
+def _nested_vmap(fn, num_nodes: int = 2, num_local: int = 2):
+  inner = jax.vmap(fn, axis_name=LOCAL, axis_size=num_local)
+  return jax.jit(jax.vmap(inner, axis_name=NODE, axis_size=num_nodes))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nested_vmap_and_bfloat16(mode):
   """Simulated 2 x 2 devices with nested vmap; bf16 leaves keep their dtype."""
-  tx = exdyna_jax.hierarchical(exdyna_jax.topk(0.25, axis_name=NODE))
+  tx = exdyna_jax.hierarchical(exdyna_jax.topk(0.25, axis_name=NODE), fast_reduce=mode)
   params = {"w": jnp.zeros((16,), jnp.bfloat16)}
   grads = {"w": jnp.arange(64, dtype=jnp.bfloat16).reshape(2, 2, 16) / 64}
 
@@ -375,10 +526,95 @@ def test_nested_vmap_and_bfloat16():
     updates, state = tx.update(g, tx.init(params), params)
     return updates, state
 
-  inner = jax.vmap(device, axis_name=LOCAL)
-  updates, state = jax.jit(jax.vmap(inner, axis_name=NODE))(grads)
+  updates, state = _nested_vmap(device)(grads)
   assert updates["w"].dtype == jnp.bfloat16
   node_mean = np.asarray(grads["w"], np.float32).mean(axis=1)  # [2 nodes, 16]
-  expected = peers_model.topk(node_mean[:, None, :], 0.25).updates[0]
-  np.testing.assert_allclose(np.asarray(updates["w"][0, 0], np.float32), expected, rtol=1e-2)
+  if mode == "psum":
+    expected = peers_model.topk(node_mean[:, None, :], 0.25).updates[0]
+  else:  # local rank l: Top-k of elements [8l, 8l + 8)
+    halves = [peers_model.topk(node_mean[:, None, 8 * r : 8 * r + 8], 0.25) for r in (0, 1)]
+    expected = np.concatenate([h.updates[0] for h in halves])
+  got = np.asarray(updates["w"], np.float32)
+  np.testing.assert_array_equal(got, np.broadcast_to(got[0, 0], got.shape))
+  np.testing.assert_allclose(got[0, 0], expected, rtol=1e-2)
   assert int(exdyna_jax.get_stats(state).step[0, 0]) == 1
+
+
+def test_scatter_skips_the_step_on_every_slice_when_one_is_not_finite():
+  """A NaN in one device's gradient stops the whole step, not only its slice."""
+  tx = exdyna_jax.hierarchical(exdyna_jax.topk(0.25, axis_name=NODE))
+  params = {"w": jnp.zeros((16,), jnp.float32)}
+  rng = np.random.default_rng(0)
+  first, second = rng.normal(size=(2, 2, 2, 16)).astype(np.float32)
+  second[1, 0, 3] = np.nan  # node 1, local 0: only local rank 0's slice [0, 8) sees it
+
+  def device(g1, g2):
+    state = tx.init(params)
+    _, state = tx.update({"w": g1}, state, params)
+    updates, new_state = tx.update({"w": g2}, state, params)
+    return updates["w"], state, new_state
+
+  updates, before, after = _nested_vmap(device)(first, second)
+  np.testing.assert_array_equal(np.asarray(updates), 0.0)  # every slice skipped
+  np.testing.assert_array_equal(after.residual, before.residual)
+  stats = exdyna_jax.get_stats(after)
+  np.testing.assert_array_equal(stats.skipped_steps, 1)
+  np.testing.assert_array_equal(stats.step, 1)
+  assert np.all(np.asarray(stats.nonfinite) > 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_check_vma(mode):
+  """shard_map(check_vma=True): psum mode runs (state as a scan carry, params
+  replicated); scatter mode's update refuses with the fix, its init runs."""
+  mesh = _mesh("4x2")
+  tx = optax.chain(
+      exdyna_jax.hierarchical(exdyna_jax.topk(0.1, axis_name=NODE), fast_reduce=mode),
+      optax.sgd(0.5),
+  )
+  params = {"w": jnp.zeros((50,), jnp.float32)}
+  grads = jnp.asarray(np.random.default_rng(1).normal(size=(4, 2, 3, 50)), jnp.float32)
+
+  def body(params, grads):
+    def step(carry, g):
+      p, state = carry
+      updates, state = tx.update({"w": g}, state, p)
+      return (optax.apply_updates(p, updates), state), None
+
+    (params, _), _ = jax.lax.scan(step, (params, tx.init(params)), grads[0, 0])
+    return params
+
+  fn = jax.jit(
+      jax.shard_map(
+          body, mesh=mesh, in_specs=(P(), P(NODE, LOCAL)), out_specs=P(), check_vma=True
+      )
+  )
+  if mode == "scatter":
+    with pytest.raises(ValueError, match=r"check_vma=False.*fast_reduce='psum'"):
+      fn(params, grads)
+    # init alone is fine there (a common way to build the per-device state).
+    init = jax.shard_map(
+        lambda p: jax.tree.map(lambda s: s[None, None], tx.init(p)),
+        mesh=mesh,
+        in_specs=P(),
+        out_specs=P(NODE, LOCAL),
+        check_vma=True,
+    )
+    state = jax.jit(init)(params)
+    assert optax.tree.get(state, "residual").shape == (4, 2, 25)
+    return
+  final = np.asarray(fn(params, grads)["w"])
+  assert np.count_nonzero(final) > 5
+  # The same steps simulated with nested vmap (no type tracking) agree.
+  reference = _nested_vmap(lambda g: body(params, g[None, None]), 4, 2)(grads)
+  np.testing.assert_allclose(final, np.asarray(reference["w"][0, 0]), rtol=1e-6)
+
+
+def test_scatter_names_the_slice_when_it_is_too_small():
+  tx = exdyna_jax.hierarchical(exdyna_jax.exdyna(0.01, axis_name=NODE))  # 1024 blocks
+  params = {"w": jnp.zeros((40_000,), jnp.float32)}  # enough for 1024 blocks, not N / 2
+  init = _nested_vmap(lambda _: tx.init(params))
+  with pytest.raises(ValueError, match=r"slice of ceil\(40000 / 2\) = 20000 elements"):
+    jax.eval_shape(init, jnp.zeros((2, 2)))
+  psum = exdyna_jax.hierarchical(exdyna_jax.exdyna(0.01, axis_name=NODE), fast_reduce="psum")
+  jax.eval_shape(_nested_vmap(lambda _: psum.init(params)), jnp.zeros((2, 2)))

@@ -6,6 +6,9 @@ no test can hang:
 
 * 2 processes x 2 CPU devices reproduce the single-process 4-device run of
   the same ExDyna steps (shard_map path and `data_parallel` under jit);
+* an orbax checkpoint that 2 processes save together resumes, in 2 fresh
+  processes, exactly as the uninterrupted run goes on (and in 1 process with
+  4 devices, to float rounding);
 * a process that never joins, or dies mid-run, makes the others exit with a
   clear error within a bounded time, with and without the launcher.
 """
@@ -25,6 +28,7 @@ import pytest
 from exdyna_jax import launch
 
 WORKER = str(Path(__file__).with_name("multihost_worker.py"))
+CHECKPOINT_WORKER = str(Path(__file__).with_name("multihost_checkpoint_worker.py"))
 HARD_TIMEOUT = 150.0  # seconds, per subprocess; a healthy run takes ~20 s
 
 
@@ -52,7 +56,9 @@ def _finish(proc: subprocess.Popen, timeout: float = HARD_TIMEOUT) -> tuple[int,
   return proc.returncode, out, err, time.monotonic() - start
 
 
-def _launcher(processes, devices, *worker_args, init_timeout=30, heartbeat=10, timeout=120):
+def _launcher(
+    processes, devices, *worker_args, init_timeout=30, heartbeat=10, timeout=120, worker=WORKER
+):
   command = [
       sys.executable,
       "-m",
@@ -64,7 +70,7 @@ def _launcher(processes, devices, *worker_args, init_timeout=30, heartbeat=10, t
       f"--timeout={timeout}",
       "--",
       sys.executable,
-      WORKER,
+      worker,
       *worker_args,
   ]
   return _start(command)
@@ -102,6 +108,47 @@ def test_two_processes_reproduce_the_single_process_run(tmp_path):
   sizes = single["partition_sizes"][0]
   assert len({tuple(row) for row in sizes}) > 1
   np.testing.assert_array_equal(multi["updates_w"], multi["updates_w"][:1].repeat(4, 0))
+
+
+def test_checkpoint_saved_by_two_processes_resumes_exactly(tmp_path):
+  """Save with orbax from 2 processes; resume in fresh processes; compare."""
+  saved, resumed, single = (tmp_path / f"{name}.npz" for name in ("save", "resume", "single"))
+  directory = str(tmp_path / "checkpoint")
+
+  def checkpoint_run(processes, devices, phase, out):
+    return _launcher(processes, devices, phase, directory, str(out), worker=CHECKPOINT_WORKER)
+
+  code, out, err, _ = _finish(checkpoint_run(2, 2, "save", saved))
+  assert code == 0, err[-3000:]
+  assert "[rank 0] save done" in out and "[rank 1] save done" in out
+  # Both processes wrote their own shards; process 0 committed the checkpoint.
+  state_dir = tmp_path / "checkpoint" / "state"
+  assert {p.name for p in state_dir.glob("ocdbt.process_*")} == {
+      "ocdbt.process_0",
+      "ocdbt.process_1",
+  }
+  assert (state_dir / "commit_success.txt").exists()
+
+  # Fresh processes: 2 x 2 as saved, and 1 x 4 (the same 4-device mesh).
+  runs = [checkpoint_run(2, 2, "resume", resumed), checkpoint_run(1, 4, "resume", single)]
+  for code, _, err, _ in [_finish(proc) for proc in runs]:
+    assert code == 0, err[-3000:]
+  expected, got, other = np.load(saved), np.load(resumed), np.load(single)
+  assert expected.files == got.files == other.files
+  for name in expected.files:  # restored state, every later update, stats, final state
+    np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    if name.startswith(("threshold", "selected", "partition")):
+      np.testing.assert_array_equal(other[name], expected[name], err_msg=name)
+    else:
+      np.testing.assert_allclose(other[name], expected[name], rtol=1e-6, atol=1e-6, err_msg=name)
+
+  # Not vacuous: at the checkpoint the partitions had moved, the residuals and
+  # the momentum were non-zero; afterwards ExDyna sent every step and w moved.
+  assert (expected["checkpoint_partition_sizes"] != 4).any()
+  assert np.all(np.abs(expected["checkpoint_residual"]).sum(axis=1) > 0)
+  assert np.abs(expected["checkpoint_momentum_w"]).sum() > 0
+  assert np.all(expected["selected"] > 0)
+  assert not np.array_equal(expected["final_w"], expected["checkpoint_w"])
 
 
 def test_a_process_that_never_joins_fails_the_run():
@@ -171,6 +218,13 @@ def test_launcher_rejects_bad_arguments():
         }
     )
   assert launch.initialize_from_env({}) is False
+  assert launch.parse_args(["--processes=3", "--", "python", "-c", "1"]).command == [
+      "python",
+      "-c",
+      "1",
+  ]
+  with pytest.raises(SystemExit):
+    launch.parse_args(["--processes=2"])  # no command
 
 
 def test_launcher_timeout_kills_everything():

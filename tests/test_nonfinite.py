@@ -1,7 +1,7 @@
 """Non-finite gradients: one bad step is skipped by every worker and leaves no trace.
 
 The policy (ALGORITHMS.md has none; `exdyna_jax._feedback` states it): if the
-accumulated gradient ``g + m`` of any worker holds a NaN or an infinity, every
+gradient ``g`` of any worker holds a NaN or an infinity, every
 worker skips the step. The update is zero; residual, threshold, partitions,
 workloads and step counter keep their values; ``stats.nonfinite`` counts the
 bad elements over all workers and ``stats.skipped_steps`` the skipped steps.

@@ -1,0 +1,77 @@
+"""The residual is updated in place: a donated training step copies no N-vector.
+
+The error-feedback shell forms ``a = g + m`` in the residual's own buffer and
+clears the transmitted indices with a scatter after the step's ``lax.cond``
+(which returns only the sparse pairs), so when the caller donates the state,
+XLA needs no copy of the residual. This holds for the library's calling
+conventions, where each device's residual buffer is ``[1, N]``: ``jax.pmap``,
+and ``jax.shard_map`` with a leading worker axis on the state (as
+`exdyna_jax.data_parallel` does).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import exdyna_jax
+
+NUM_WORKERS = 8
+SHAPES = {"w": (512, 64), "b": (64,)}
+NUM_ELEMENTS = 512 * 64 + 64
+ERROR_FEEDBACK = ("exdyna", "micro", "topk", "hard_threshold", "cltk")
+
+
+def make_tx(name: str) -> optax.GradientTransformation:
+  return optax.chain(
+      exdyna_jax.get_sparsifier(name, density=0.01, axis_name="data"), optax.sgd(0.1)
+  )
+
+
+def params() -> dict[str, jax.Array]:
+  return {key: jnp.zeros(shape) for key, shape in SHAPES.items()}
+
+
+def compiled_pmap_step(name: str) -> str:
+  tx = make_tx(name)
+
+  def train_step(params, opt_state, grads):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  replicated = jax.tree.map(lambda x: jnp.broadcast_to(x, (NUM_WORKERS, *x.shape)), params())
+  opt_state = jax.pmap(tx.init, axis_name="data")(replicated)
+  step = jax.pmap(train_step, axis_name="data", donate_argnums=(0, 1))
+  return step.lower(replicated, opt_state, replicated).compile().as_text()
+
+
+def compiled_data_parallel_step(name: str) -> str:
+  """The pjit-style helper: state leaves carry a leading worker axis, squeezed per device."""
+  mesh = jax.make_mesh((NUM_WORKERS,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  parallel = exdyna_jax.data_parallel(make_tx(name), mesh)
+
+  def train_step(params, opt_state, worker_grads):
+    updates, opt_state = parallel.update(worker_grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  opt_state = parallel.init(params())
+  worker_grads = jax.tree.map(lambda x: jnp.stack([x] * NUM_WORKERS), params())
+  step = jax.jit(train_step, donate_argnums=(0, 1))
+  return step.lower(params(), opt_state, worker_grads).compile().as_text()
+
+
+def n_vector_copies(hlo: str) -> list[str]:
+  pattern = re.compile(rf"= f32\[(1,)?{NUM_ELEMENTS}\]\S* copy\(")
+  return [line.strip() for line in hlo.splitlines() if pattern.search(line)]
+
+
+@pytest.mark.parametrize("compile_step", [compiled_pmap_step, compiled_data_parallel_step])
+@pytest.mark.parametrize("name", ERROR_FEEDBACK)
+def test_donated_step_copies_no_residual(name, compile_step):
+  hlo = compile_step(name)
+  assert f"f32[{NUM_ELEMENTS}]" in hlo or f"f32[1,{NUM_ELEMENTS}]" in hlo  # the residual ...
+  assert n_vector_copies(hlo) == []  # ... is never copied
