@@ -69,3 +69,19 @@ def run_shard_map(tx: optax.GradientTransformation, params, grads, *, check_vma:
 
 def to_numpy(tree):
   return jax.tree.map(np.asarray, tree)
+
+
+def unflatten_like(flat: np.ndarray, template) -> object:
+  """``[..., N]`` -> a tree shaped like ``template`` with leaves ``[..., *leaf_shape]``.
+
+  Leaves are cut in ``jax.tree`` order (dict keys sorted), as the library flattens.
+  """
+  leaves, treedef = jax.tree.flatten(template)
+  lead = flat.shape[:-1]
+  pieces, offset = [], 0
+  for leaf in leaves:
+    size = int(np.prod(np.shape(leaf)))
+    pieces.append(flat[..., offset : offset + size].reshape(lead + np.shape(leaf)))
+    offset += size
+  assert offset == flat.shape[-1]
+  return jax.tree.unflatten(treedef, pieces)

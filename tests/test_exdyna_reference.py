@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import exdyna_jax
-from tests.harness import run_pmap, run_shard_map, run_vmap
+from tests.harness import run_pmap, run_shard_map, run_vmap, unflatten_like
 from tests.models.exdyna_model import (
   THRESHOLD_CREEP_FACTOR,
   THRESHOLD_DOWN_FACTOR,
@@ -74,14 +74,7 @@ def num_elements() -> int:
 
 def flat_to_tree(flat: np.ndarray) -> Any:
   """``[..., N]`` -> tree whose leaves are ``[..., *leaf_shape]``, in leaves order."""
-  leaves, treedef = jax.tree.flatten(params_template())
-  lead = flat.shape[:-1]
-  pieces, offset = [], 0
-  for leaf in leaves:
-    pieces.append(flat[..., offset : offset + leaf.size].reshape(lead + leaf.shape))
-    offset += leaf.size
-  assert offset == flat.shape[-1]
-  return jax.tree.unflatten(treedef, pieces)
+  return unflatten_like(flat, params_template())
 
 
 def tree_to_flat(tree: Any, num_lead_dims: int) -> np.ndarray:

@@ -39,7 +39,7 @@ from jax import P
 
 import exdyna_jax
 from exdyna_jax import _hlo
-from tests.harness import _scan_steps, to_numpy
+from tests.harness import _scan_steps, to_numpy, unflatten_like
 from tests.models import peers_model
 from tests.models.exdyna_model import ExDynaModel
 from tests.models.spardl_model import SparDLModel
@@ -67,15 +67,6 @@ def _flat_gradients(num_nodes: int, num_local: int, seed: int = 0) -> np.ndarray
   step_gain = 0.8 ** np.arange(NUM_STEPS)
   g = noise * scale * device_gain[:, :, None, None] * step_gain[:, None]
   return (np.round(np.clip(g, -8, 8) / QUANTUM) * QUANTUM).astype(np.float32)
-
-
-def _to_tree(flat: np.ndarray) -> dict[str, np.ndarray]:
-  tree, offset = {}, 0
-  for name, shape in SHAPES.items():
-    size = math.prod(shape)
-    tree[name] = flat[..., offset : offset + size].reshape(*flat.shape[:-1], *shape)
-    offset += size
-  return tree
 
 
 def _to_flat(tree, lead: int) -> np.ndarray:
@@ -208,7 +199,7 @@ def _run(case: str, mesh_name: str, mode: str):
       jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
   )
   grads = _flat_gradients(*MESHES[mesh_name])
-  tree = _to_tree(grads)
+  tree = unflatten_like(grads, {name: np.zeros(shape) for name, shape in SHAPES.items()})
   compiled = fn.lower(tree).compile()
   updates, states, _ = to_numpy(compiled(tree))
   return grads, _to_flat(updates, 3), states, compiled.as_text()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import exdyna_jax
-from tests.harness import AXIS, run_pmap, run_shard_map, run_vmap, to_numpy
+from tests.harness import AXIS, run_pmap, run_shard_map, run_vmap, to_numpy, unflatten_like
 from tests.models import peers_model
 
 NUM_WORKERS = 4
@@ -44,12 +44,7 @@ def flat_gradients(seed: int = 0) -> np.ndarray:
 
 def to_tree(flat: np.ndarray) -> dict[str, np.ndarray]:
   """Splits the last axis of ``flat`` into the leaves of `SHAPES`."""
-  tree, offset = {}, 0
-  for name, shape in SHAPES.items():
-    size = math.prod(shape)
-    tree[name] = flat[..., offset : offset + size].reshape(*flat.shape[:-1], *shape)
-    offset += size
-  return tree
+  return unflatten_like(flat, PARAMS)
 
 
 def to_flat(tree) -> np.ndarray:
