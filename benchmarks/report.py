@@ -491,6 +491,14 @@ def scale_section(rep: Report, scale: dict | None, collectives: dict | None) -> 
 # ------------------------------------------------------------ 4-5. density, balance
 
 
+RUN_HEADER = ["method", "controller", "N", "d"]
+
+
+def _run_columns(run: dict) -> list:
+  """The columns that name one density-control run (`RUN_HEADER`)."""
+  return [run["method"], run["controller"], f"{run['elements']:,}", run["density"]]
+
+
 def density_sections(rep: Report, density: dict | None) -> None:
   rep.add("## 4. Density control: K/k on real training gradients")
   if not density:
@@ -512,10 +520,7 @@ def density_sections(rep: Report, density: dict | None) -> None:
     s = r["summary"]
     rows.append(
       [
-        r["method"],
-        r["controller"],
-        f"{r['elements']:,}",
-        r["density"],
+        *_run_columns(r),
         r["target"],
         s["first_step_within_5pct"],
         f"{100 * s['median_abs_error_after_20']:.1f} %",
@@ -542,10 +547,7 @@ def density_sections(rep: Report, density: dict | None) -> None:
   rep.add(
     _table(
       [
-        "method",
-        "controller",
-        "N",
-        "d",
+        *RUN_HEADER,
         "k",
         "enters +-5 % at step",
         "median err",
@@ -590,10 +592,7 @@ def density_sections(rep: Report, density: dict | None) -> None:
     s = r["summary"]
     rows.append(
       [
-        r["method"],
-        r["controller"],
-        f"{r['elements']:,}",
-        r["density"],
+        *_run_columns(r),
         f"{s['median_imbalance_after_20']:.2f}",
         f"{s['p90_imbalance_after_20']:.2f}",
         f"{s['max_imbalance_after_20']:.2f}",
@@ -604,10 +603,7 @@ def density_sections(rep: Report, density: dict | None) -> None:
   rep.add(
     _table(
       [
-        "method",
-        "controller",
-        "N",
-        "d",
+        *RUN_HEADER,
         "median imbalance",
         "p90",
         "max",
