@@ -88,14 +88,16 @@ def per_worker(x: jax.Array, axis_name: str) -> jax.Array:
 
 FIELD_BITS = 6  # a row of 32 elements has at most 32 passing: 6 bits
 FIELDS_PER_WORD = 5  # 5 x 6 bits fit an int32
+MIN_CHUNK = 1 << 16  # elements per iteration of `count_in_range`, at least
 
 
 def row_counts(passes: list[jax.Array]) -> jax.Array:
   """Counts, per row of 32 elements, how many elements pass each predicate.
 
   All predicates are counted in one pass over the vector: up to five 6-bit
-  counts are packed into one int32 per element before the row sums, so the
-  vector is read once however many thresholds are probed.
+  counts are packed into one int32 per element, and the packed words of all
+  predicates are summed over the rows by a single reduction, so the vector
+  is read once however many thresholds are probed.
 
   Args:
     passes: ``L`` bool ``[N]`` predicates.
@@ -105,17 +107,75 @@ def row_counts(passes: list[jax.Array]) -> jax.Array:
   """
   num_elements = passes[0].shape[0]
   full_rows = num_elements // ROW
-  columns = []
-  for first in range(0, len(passes), FIELDS_PER_WORD):
-    group = passes[first : first + FIELDS_PER_WORD]
-    packed = sum(
-        p.astype(jnp.int32) << (FIELD_BITS * j) for j, p in enumerate(group)
-    )
-    sums = jnp.sum(packed[: full_rows * ROW].reshape(full_rows, ROW), axis=1)
-    if full_rows * ROW < num_elements:
-      sums = jnp.concatenate([sums, jnp.sum(packed[full_rows * ROW :])[None]])
-    columns.extend((sums >> (FIELD_BITS * j)) & ((1 << FIELD_BITS) - 1) for j in range(len(group)))
+  groups = [passes[i : i + FIELDS_PER_WORD] for i in range(0, len(passes), FIELDS_PER_WORD)]
+  words = [sum(p.astype(jnp.int32) << (FIELD_BITS * j) for j, p in enumerate(g)) for g in groups]
+  packed = jnp.stack(words, axis=-1)  # [N, words]: one reduction reads every predicate
+  sums = jnp.sum(packed[: full_rows * ROW].reshape(full_rows, ROW, len(words)), axis=1)
+  if full_rows * ROW < num_elements:
+    sums = jnp.concatenate([sums, jnp.sum(packed[full_rows * ROW :], axis=0)[None]])
+  field = (1 << FIELD_BITS) - 1
+  columns = [
+      (sums[:, w] >> (FIELD_BITS * j)) & field for w, g in enumerate(groups) for j in range(len(g))
+  ]
   return jnp.stack(columns, axis=1)
+
+
+def chunk_length(num_elements: int, num_workers: int) -> int:
+  """Elements per iteration of `count_in_range` for a vector split ``num_workers`` ways.
+
+  An eighth of a fair share (whole rows), at least `MIN_CHUNK` and at most
+  ``N``: a partition of fair size is counted in about eight iterations, and
+  at most one chunk at each end is read beyond it.
+  """
+  eighth = -(-num_elements // (8 * num_workers))
+  return min(num_elements, max(MIN_CHUNK, -(-eighth // ROW) * ROW))
+
+
+def count_in_range(
+    accumulated: jax.Array,
+    begin: jax.Array,
+    end: jax.Array,
+    thresholds: jax.Array,
+    *,
+    chunk: int,
+) -> jax.Array:
+  """Elements of ``accumulated[begin:end]`` with ``|a| >= t``, for each threshold ``t``.
+
+  A loop over the chunks of ``chunk`` elements that overlap ``[begin, end)``
+  reads each of them once and counts all thresholds (`row_counts`), so the
+  cost follows the length of the range, not a static bound on it.
+
+  Args:
+    accumulated: float32 ``[N]``.
+    begin: int32 first index of the range.
+    end: int32 one past its last index.
+    thresholds: float32 ``[P]`` (``P`` static).
+    chunk: static elements per iteration (see `chunk_length`).
+
+  Returns:
+    int32 ``[P]`` counts.
+  """
+  num_elements = accumulated.shape[0]
+  chunk = min(chunk, num_elements)
+
+  def count_chunk(index, counts):
+    nominal = index * chunk
+    start = jnp.minimum(nominal, num_elements - chunk)  # the last chunk shifts left to fit
+    ids = start + jnp.arange(chunk, dtype=jnp.int32)
+    # From the nominal start only: a shifted last chunk overlaps the one before.
+    inside = (ids >= jnp.maximum(begin, nominal)) & (ids < end)
+    # Outside the range a magnitude of -1 passes no threshold (NaN passes none either).
+    magnitudes = jnp.where(
+        inside, jnp.abs(jax.lax.dynamic_slice(accumulated, (start,), (chunk,))), -1.0
+    )
+    passes = [magnitudes >= thresholds[p] for p in range(thresholds.shape[0])]
+    return counts + jnp.sum(row_counts(passes), axis=0)
+
+  first, last = begin // chunk, (end + chunk - 1) // chunk
+  # The first chunk outside the loop gives the carry the type (and, under
+  # shard_map, the varying axes) that the loop body returns.
+  counts = count_chunk(first, jnp.zeros(thresholds.shape, jnp.int32))
+  return jax.lax.fori_loop(first + 1, last, count_chunk, counts)
 
 
 def compact_rows(
@@ -155,21 +215,23 @@ def compact_rows(
 
 
 class Window(NamedTuple):
-  """A contiguous slice of the accumulated gradient that a selection scans.
+  """A contiguous range of the accumulated gradient that a selection scans.
 
-  Selecting inside a partition only needs the partition, so the scans, prefix
-  sums and compaction run on a static-size slice that holds it: their cost
-  grows with the partition (about ``N / n``), not with ``N``.
+  Selecting inside a partition only needs the partition, so the scan, the
+  prefix sums and the compaction run on a static-size range that holds it:
+  their cost grows with the partition (about ``N / n``), not with ``N``. The
+  range is read in place (a ``dynamic_slice`` that XLA fuses into the scan),
+  never copied out.
 
   Attributes:
-    values: float32 ``[W]`` the slice.
-    offset: int32 global index of ``values[0]``.
-    num_elements: ``N``, the length of the whole vector (and the sentinel).
+    accumulated: float32 ``[N]`` the whole vector.
+    offset: int32 global index of the window's first element.
+    length: static number of elements ``W``.
   """
 
-  values: jax.Array
+  accumulated: jax.Array
   offset: jax.Array
-  num_elements: int
+  length: int
 
   @classmethod
   def whole(cls, accumulated: jax.Array) -> Window:
@@ -179,21 +241,37 @@ class Window(NamedTuple):
   @classmethod
   def around(cls, accumulated: jax.Array, begin: jax.Array, length: int) -> Window:
     """The ``length`` elements from ``begin`` (shifted left to fit inside ``N``)."""
-    num_elements = accumulated.shape[0]
-    offset = jnp.clip(begin, 0, num_elements - length).astype(jnp.int32)
-    return cls(jax.lax.dynamic_slice(accumulated, (offset,), (length,)), offset, num_elements)
+    offset = jnp.clip(begin, 0, accumulated.shape[0] - length).astype(jnp.int32)
+    return cls(accumulated, offset, length)
+
+  @property
+  def num_elements(self) -> int:
+    """``N``, the length of the whole vector (and the sentinel)."""
+    return self.accumulated.shape[0]
+
+  def scan(self, begin, end, threshold) -> jax.Array:
+    """bool ``[W]``: which window elements lie in ``[begin, end)`` with ``|a| >= threshold``.
+
+    Elementwise over the window read in place: XLA fuses the slice into
+    whatever consumes the result.
+    """
+    global_ids = self.offset + jnp.arange(self.length, dtype=jnp.int32)
+    values = jax.lax.dynamic_slice(self.accumulated, (self.offset,), (self.length,))
+    return (global_ids >= begin) & (global_ids < end) & (jnp.abs(values) >= threshold)
 
   def passes(self, begin, end, threshold) -> Callable[[jax.Array], jax.Array]:
-    """``local ids -> begin <= global id < end and |value| >= threshold``."""
+    """``local ids -> begin <= global id < end and |value| >= threshold``, by a gather.
+
+    For a few elements (the rows that `compact_rows` picks); `scan` reads the
+    whole window.
+    """
 
     def passes(ids):
       global_ids = self.offset + ids
-      return (global_ids >= begin) & (global_ids < end) & (jnp.abs(self.values[ids]) >= threshold)
+      values = self.accumulated[global_ids]
+      return (global_ids >= begin) & (global_ids < end) & (jnp.abs(values) >= threshold)
 
     return passes
-
-  def local_ids(self) -> jax.Array:
-    return jnp.arange(self.values.shape[0], dtype=jnp.int32)
 
 
 class Selection(NamedTuple):
@@ -210,25 +288,6 @@ class Selection(NamedTuple):
   indices: jax.Array
   passed: jax.Array
   sent: jax.Array
-
-
-def count_in_window(
-    window: Window, begin: jax.Array, end: jax.Array, thresholds: jax.Array
-) -> jax.Array:
-  """Elements of ``[begin, end)`` passing each threshold, in one pass.
-
-  Args:
-    window: a `Window` that holds ``[begin, end)``.
-    begin: int32 first global index of the range.
-    end: int32 one past its last global index.
-    thresholds: float32 ``[P]`` (``P`` static).
-
-  Returns:
-    int32 ``[P]`` counts.
-  """
-  ids = window.local_ids()
-  passes = [window.passes(begin, end, threshold)(ids) for threshold in thresholds]
-  return jnp.sum(row_counts(passes), axis=0)
 
 
 def select_window(
@@ -259,12 +318,10 @@ def select_window(
   Returns:
     The `Selection`, with global indices.
   """
-  length = window.values.shape[0]
-  passes = window.passes(begin, end, threshold)
-  counts = row_counts([passes(window.local_ids())])[:, 0]
+  counts = row_counts([window.scan(begin, end, threshold)])[:, 0]
   passed = jnp.sum(counts)
-  local = compact_rows(counts, passes, capacity, length)
-  indices = jnp.where(local < length, local + window.offset, window.num_elements)
+  local = compact_rows(counts, window.passes(begin, end, threshold), capacity, window.length)
+  indices = jnp.where(local < window.length, local + window.offset, window.num_elements)
   sent = passed
   if fallback_offset is not None:
     nothing = passed == 0

@@ -243,6 +243,38 @@ def _opcode_and_operands(line: str) -> tuple[str, str, list[str], str]:
   return name, type_text, operands, opcode.strip()
 
 
+def _sliced_parameters(lines: list[str]) -> dict[int, int]:
+  """``{parameter index: bytes read}`` for a fused computation's sliced parameters.
+
+  A parameter that the fusion reads only through ``dynamic-slice``,
+  ``slice`` or ``gather`` (directly or through bitcasts) is read for the
+  bytes those return, not for its own size.
+  """
+  parameters: dict[str, int] = {}
+  aliases: dict[str, str] = {}  # bitcast of a parameter -> the parameter
+  reads: dict[str, list[int | None]] = {}  # parameter -> bytes per use (None: whole)
+  for line in lines:
+    name, type_text, operands, opcode = _opcode_and_operands(line)
+    if opcode == "parameter":
+      parameters[name] = int(re.search(r"parameter\((\d+)\)", line).group(1))
+      continue
+    for position, operand in enumerate(operands):
+      source = aliases.get(operand, operand)
+      if source not in parameters:
+        continue
+      if opcode == "bitcast":
+        aliases[name] = source
+      elif opcode in ("dynamic-slice", "slice", "gather") and position == 0:
+        reads.setdefault(source, []).append(shape_bytes(type_text)[0])
+      else:
+        reads.setdefault(source, []).append(None)
+  return {
+      parameters[name]: sum(uses)
+      for name, uses in reads.items()
+      if None not in uses
+  }
+
+
 def memory_traffic(text: str, min_bytes: int) -> dict[str, Any]:
   """Bytes the top-level ops of the entry computation read and write.
 
@@ -251,11 +283,13 @@ def memory_traffic(text: str, min_bytes: int) -> dict[str, Any]:
   sum over them of ``operand bytes + result bytes`` estimates the memory
   traffic of one step. Scatters are taken as in place (only their small
   operands count) and gathers and dynamic slices as reading only what they
-  return; a fusion that reads a slice of an operand is still over-counted.
-  A ``conditional`` counts as the branch a normal step takes (only one
-  runs): among its branches that hold collectives (a skip-the-step branch
-  holds none), the cheapest (a whole-vector fallback is the costlier); a
-  ``while`` counts one trip of its body. Ops are listed with their
+  return, and a fusion that reads an operand only through slices as
+  reading the slices. A ``conditional`` counts as the branch a normal step
+  takes (only one runs): among its branches that hold collectives (a
+  skip-the-step branch holds none), the cheapest (a whole-vector fallback is
+  the costlier); a ``while`` counts one trip of its body (its trip count may
+  be known only at run time: a loop over chunks of a range reads the range,
+  in trips that may each fall below ``min_bytes``). Ops are listed with their
   computation.
 
   Args:
@@ -314,6 +348,11 @@ def memory_traffic(text: str, min_bytes: int) -> dict[str, Any]:
       label = (where.group(1) if where else name).rsplit("/", 1)[-1]
       result = shape_bytes(type_text)[0]
       inputs = [shape_bytes(types.get(o, ""))[0] for o in operands]
+      fused = re.search(r"calls=%?([\w.\-]+)", line) if opcode == "fusion" else None
+      if fused:
+        for index, read in _sliced_parameters(computations.get(fused.group(1), [])).items():
+          if index < len(inputs):
+            inputs[index] = read
       if opcode == "scatter" or label.startswith("scatter"):
         # In place: touches only the scattered entries (a copy, if any, is its own op).
         inputs, result = [b for b in inputs if b != result], 0

@@ -79,32 +79,35 @@ def partitioned_sparsifier(
     partition = _partition.owned_partition(step, jax.lax.axis_index(axis_name), num_workers)
     begin, end = _partition.element_range(geometry, starts, sizes, partition)
 
-    # One global threshold, then exclusive selection, both on a slice that
-    # holds the partition; every worker takes the same branch (the sizes are
-    # the same everywhere), so the collective inside stays matched.
-    def choose_and_select(window):
-      def measure(thresholds):
-        local = _exchange.count_in_window(window, begin, end, thresholds)
-        return jax.lax.psum(local, axis_name)
+    # One global threshold: the controller counts this worker's partition in
+    # place (its cost follows the partition) and sums the counts over workers.
+    chunk = _exchange.chunk_length(num_elements, num_workers)
 
-      threshold = threshold_controller.choose(
-          stats.threshold, stats.selected, target, step, measure
-      )
-      selection = _exchange.select_window(
+    def measure(thresholds):
+      local = _exchange.count_in_range(accumulated, begin, end, thresholds, chunk=chunk)
+      return jax.lax.psum(local, axis_name)
+
+    threshold = threshold_controller.choose(
+        stats.threshold, stats.selected, target, step, measure
+    )
+
+    # Exclusive selection on a static-size window that holds the partition
+    # (the whole vector if the partition has outgrown it).
+    def select(window):
+      return _exchange.select_window(
           window, threshold, begin, end, capacity=capacity, fallback_offset=step
       )
-      return threshold, selection
 
     window_length = _window_length(num_elements, num_workers)
     if window_length < num_elements:
       longest = jnp.max(sizes) * geometry.block_size + geometry.remainder
-      threshold, selection = jax.lax.cond(
+      selection = jax.lax.cond(
           longest <= window_length,
-          lambda: choose_and_select(_exchange.Window.around(accumulated, begin, window_length)),
-          lambda: choose_and_select(_exchange.Window.whole(accumulated)),
+          lambda: select(_exchange.Window.around(accumulated, begin, window_length)),
+          lambda: select(_exchange.Window.whole(accumulated)),
       )
     else:
-      threshold, selection = choose_and_select(_exchange.Window.whole(accumulated))
+      selection = select(_exchange.Window.whole(accumulated))
     exchanged = _exchange.exchange(accumulated, selection.indices, selection.sent[None], axis_name)
 
     sent = exchanged.gathered_info[:, 0]

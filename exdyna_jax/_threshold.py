@@ -20,7 +20,9 @@ this step. Two are provided:
   extrapolates with the end slope, at most two octaves further, and
   re-centres on the next step.
 
-The adaptive rule costs one extra collective per step (17 int32 per worker).
+The adaptive rule costs one extra collective per step (17 int32 per worker)
+and one read of the worker's partition, in place and chunk by chunk
+(`_exchange.count_in_range`), with all 17 counts packed into one reduction.
 The probes are dense next to ``c`` because error feedback piles magnitudes
 up just below a slowly moving threshold: late in training the count curve
 can halve within 1 % of ``c`` (log-log slopes of -50 were measured). On the

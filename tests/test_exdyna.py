@@ -215,6 +215,31 @@ def test_adaptive_controller_holds_the_target_density(adaptive_run):
   assert np.all(np.abs(ratio[5:] - 1) <= 0.25), ratio
 
 
+@pytest.mark.parametrize(
+    "runner", [harness.run_vmap, harness.run_shard_map], ids=["vmap", "shard_map"]
+)
+def test_probe_counts_in_many_chunks_change_nothing(adaptive_run, runner, monkeypatch):
+  """Counted in chunks of 2,112 elements (about eight per partition), the run is the same.
+
+  With the default chunk size these 66,650 elements are counted in one chunk;
+  the counts are exact integers either way, so thresholds, statistics and
+  updates are identical.
+  """
+  params, grads, updates, states, _ = adaptive_run
+  steps = 15
+  grads = jax.tree.map(lambda g: g[:, :steps], grads)
+  monkeypatch.setattr(exdyna_jax._exchange, "MIN_CHUNK", exdyna_jax._exchange.ROW)
+  num_elements = sum(x.size for x in jax.tree.leaves(params))
+  assert exdyna_jax._exchange.chunk_length(num_elements, N_WORKERS) == 2112
+  chunked_updates, chunked_states, _ = runner(
+      exdyna_jax.exdyna(0.01, num_blocks=BLOCKS), params, grads
+  )
+  chex.assert_trees_all_equal(
+      chunked_states.stats, jax.tree.map(lambda x: x[:, :steps], states.stats)
+  )
+  chex.assert_trees_all_equal(chunked_updates, jax.tree.map(lambda x: x[:, :steps], updates))
+
+
 def test_overflow_stays_in_the_residual():
   params = mixed_params()
   grads = uneven_grads(7, params, N_WORKERS, 3)

@@ -1,17 +1,19 @@
-"""The adaptive controller's curve solver, against a NumPy statement of the rule.
+"""The adaptive controller's measurement and curve solver, against NumPy.
 
-Given the global counts at the probe thresholds, the new threshold is where
-the count curve, linear in log-log between the two probes around ``k``,
+Each worker counts the elements of its partition passing each probe; the
+counts, summed over workers, are a count curve. Given it, the new threshold
+is where the curve, linear in log-log between the two probes around ``k``,
 reaches ``k`` (that segment's own slope, however steep); beyond the probed
 range the end segment's slope, clamped, extrapolates at most a factor 4.
 """
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
-from exdyna_jax import _threshold
+from exdyna_jax import _exchange, _threshold
 
 
 def numpy_solve(thresholds, counts, target):
@@ -88,3 +90,40 @@ def test_extrapolation_is_bounded_to_two_octaves_beyond_the_probes():
   counts = np.full(17, 10)  # everything far too few: the threshold must fall
   new = solve(thresholds, counts, 10_000)
   assert new == pytest.approx(float(thresholds[0]) / 4, rel=1e-5)
+
+
+# What the controller measures: every worker counts the elements of its own
+# partition passing each probe, chunk by chunk, in place.
+
+
+def numpy_count(values, begin, end, thresholds):
+  magnitudes = np.abs(values[begin:end].astype(np.float64))
+  return np.array([(magnitudes >= t).sum() for t in thresholds])  # NaN passes none
+
+
+@pytest.mark.parametrize(
+    ("num_elements", "chunk", "begin", "end"),
+    [
+        (1000, 96, 130, 871),  # 1000 = 10 x 96 + 40: the last chunk shifts left
+        (1000, 96, 0, 1000),
+        (1000, 96, 960, 1000),  # only the shifted last chunk
+        (1000, 96, 400, 400),  # empty
+        (1000, 4096, 17, 999),  # one chunk longer than the vector
+        (1001, 32, 5, 1001),  # a partial last row
+    ],
+)
+def test_probe_counts_match_numpy_chunk_by_chunk(num_elements, chunk, begin, end):
+  rng = np.random.default_rng(num_elements + begin)
+  values = (rng.standard_t(3.0, num_elements) * 0.01).astype(np.float32)
+  values[[3, 500, 998]] = [np.nan, np.inf, -np.inf]
+  thresholds = probes(0.01)
+  counts = jax.jit(
+      lambda v, b, e, t: _exchange.count_in_range(v, b, e, t, chunk=chunk)
+  )(values, np.int32(begin), np.int32(end), thresholds)
+  np.testing.assert_array_equal(np.asarray(counts), numpy_count(values, begin, end, thresholds))
+
+
+def test_chunks_are_an_eighth_of_a_fair_share_within_bounds():
+  assert _exchange.chunk_length(11_173_962, 8) == 174_624  # ceil(N / 64), whole rows
+  assert _exchange.chunk_length(1_000_000, 8) == _exchange.MIN_CHUNK
+  assert _exchange.chunk_length(5_000, 8) == 5_000

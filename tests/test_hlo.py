@@ -1,0 +1,47 @@
+"""The compiled-program reader behind the benchmarks' memory profile.
+
+`_hlo.memory_traffic` estimates the bytes one step reads and writes from the
+top-level ops of the compiled program; a fusion that reads an operand only
+through slices or gathers reads what those return, not the whole operand.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from exdyna_jax import _hlo
+
+N = 1 << 20
+W = 1 << 16
+
+
+def traffic(fn, *args) -> int:
+  return _hlo.memory_traffic(jax.jit(fn).lower(*args).compile().as_text(), W)["bytes"]
+
+
+def test_a_full_reduction_reads_the_vector():
+  assert traffic(lambda x: jnp.sum(jnp.abs(x)), jnp.ones(N)) == 4 * N
+
+
+def test_row_counts_of_a_window_read_the_window():
+  """As `select_window` scans: the slice is fused into the reduction."""
+
+  def window_row_counts(x, offset):
+    window = jax.lax.dynamic_slice(x, (offset,), (W,))
+    return jnp.sum((jnp.abs(window) >= 0.5).astype(jnp.int32).reshape(-1, 32), axis=1)
+
+  counted = _hlo.memory_traffic(
+      jax.jit(window_row_counts).lower(jnp.ones(N), jnp.int32(12345)).compile().as_text(),
+      W // 32,
+  )["bytes"]
+  assert counted == 4 * W + 4 * (W // 32)  # the window in, one int32 per row out
+
+
+def test_a_fused_gather_reads_what_it_gathers():
+  def gathered_sum(x, indices):
+    return jnp.sum(jnp.abs(x.reshape(-1)[indices]))
+
+  indices = jnp.arange(2 * W, dtype=jnp.int32) * 7
+  # The indices are read too (int32, 2W of them).
+  assert traffic(gathered_sum, jnp.ones((1, N)), indices) == 4 * 2 * W + 4 * 2 * W
