@@ -124,8 +124,10 @@ def chunk_length(num_elements: int, num_workers: int) -> int:
   """Elements per iteration of `count_in_range` for a vector split ``num_workers`` ways.
 
   An eighth of a fair share (whole rows), at least `MIN_CHUNK` and at most
-  ``N``: a partition of fair size is counted in about eight iterations, and
-  at most one chunk at each end is read beyond it.
+  ``N``: a partition of fair size is counted in about eight iterations (few
+  enough that a loop's per-iteration overhead, a condition check on a GPU,
+  stays in microseconds), and at most one chunk at each end is read beyond
+  it.
   """
   eighth = -(-num_elements // (8 * num_workers))
   return min(num_elements, max(MIN_CHUNK, -(-eighth // ROW) * ROW))
