@@ -268,11 +268,7 @@ def _sliced_parameters(lines: list[str]) -> dict[int, int]:
         reads.setdefault(source, []).append(shape_bytes(type_text)[0])
       else:
         reads.setdefault(source, []).append(None)
-  return {
-      parameters[name]: sum(uses)
-      for name, uses in reads.items()
-      if None not in uses
-  }
+  return {parameters[name]: sum(uses) for name, uses in reads.items() if None not in uses}
 
 
 def memory_traffic(text: str, min_bytes: int) -> dict[str, Any]:
