@@ -1,181 +1,213 @@
-"""How closely each threshold controller holds the target density; balance.
+"""Does default ExDyna send the density asked for? Transmitted / k, overflow, balance.
 
-Trains a small MLP on scikit-learn's bundled digits with n simulated workers
-(jax.vmap with an axis name) and records, at every step, K/k (selected over
-target) and the partition workloads, imbalance (max/mean) and overflow, for
-the reference and the adaptive controllers of ExDyna and MiCRO.
+Every run trains (or streams gradients) with n workers simulated by
+``jax.vmap(axis_name=)`` and records, each step, what was *sent*: the indices
+transmitted over ``k = floor(d N)``, the overflow (elements that passed the
+threshold but did not fit a buffer), the imbalance (max / mean of the
+partitions' pass counts) and the bytes one worker sent. Workloads:
 
-Two widths of the same MLP: hidden 256 (N = 85k, so k = 85 at d = 0.001:
-about 11 elements per worker, where counting noise alone is several percent)
-and hidden 1024 (N = 1.1M, k = 1,124 at d = 0.001).
+==================  =========================================================
+digits_mlp          the demo's MLP (64-256-256-10, N = 85k) on sklearn digits
+mlp_1m              the same MLP at hidden 1024 (N = 1.1M)
+char_transformer    ``examples/char_transformer.py``'s model (N = 112k)
+positional          Gaussian gradients under a hot spot and a hot tail along
+                    the vector (N = 300k), drawn fresh every step
+heterogeneous       the same, worker w's gradients scaled by 1 + 0.25 w
+==================  =========================================================
 
-Run: python benchmarks/density_control.py [--steps 600] [--densities 0.01,0.001]
-     [--hidden 256,1024] [--out FILE]
+``--label`` names the library under test: run it once as is ("after") and
+once with ``PYTHONPATH`` pointing at an older checkout ("before"); runs with
+the same label in ``--out`` are replaced, the others kept, so the report can
+compare both.
+
+Run: python benchmarks/density_control.py [--steps 600] [--label after]
+     [--workloads digits_mlp,...] [--methods exdyna,micro] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import importlib.util
 import json
+import pathlib
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from sklearn.datasets import load_digits
 
 import exdyna_jax
+from exdyna_jax.demo import tasks
 
 AXIS = "data"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# name -> (densities, what trains): a demo Task with its SGD settings, or a stream.
+WORKLOADS = {
+  "digits_mlp": ((0.01,), "task"),
+  "mlp_1m": ((0.01, 0.001), "task"),
+  "char_transformer": ((0.01, 0.001), "task"),
+  "positional": ((0.01, 0.001), "stream"),
+  "heterogeneous": ((0.01,), "stream"),
+}
+STREAM_ELEMENTS = 300_000
 
 
-def init_mlp(key, sizes):
-  params = []
-  for fan_in, fan_out in itertools.pairwise(sizes):
-    key, sub = jax.random.split(key)
-    params.append(
-      {
-        "w": jax.random.normal(sub, (fan_in, fan_out)) * jnp.sqrt(2.0 / fan_in),
-        "b": jnp.zeros((fan_out,)),
-      }
-    )
-  return params
+def _char_task():
+  path = ROOT / "examples" / "char_transformer.py"
+  spec = importlib.util.spec_from_file_location("char_transformer", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # its dataclasses look their module up
+  spec.loader.exec_module(module)
+  return module.char_lm_task()
 
 
-def mlp(params, x):
-  for layer in params[:-1]:
-    x = jax.nn.relu(x @ layer["w"] + layer["b"])
-  return x @ params[-1]["w"] + params[-1]["b"]
+def task_of(name):
+  """``(task, batch per worker, optimizer after the sparsifier)``."""
+  if name == "digits_mlp":
+    return tasks.digits_task(), 32, optax.sgd(0.05, momentum=0.9)
+  if name == "mlp_1m":
+    return tasks.digits_task((64, 1024, 1024, 10)), 32, optax.sgd(0.05, momentum=0.9)
+  if name == "char_transformer":
+    schedule = optax.linear_schedule(0.0, 0.3, 20)
+    return _char_task(), 8, optax.sgd(schedule)
+  raise ValueError(name)
 
 
-def loss_fn(params, x, y):
-  logits = mlp(params, x)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-
-def run(method_tx, *, steps, workers, batch, hidden=256, seed=0):
-  digits = load_digits()
-  x = jnp.asarray(digits.data / 16.0, jnp.float32)
-  y = jnp.asarray(digits.target)
-  params = init_mlp(jax.random.key(seed), [64, hidden, hidden, 10])
-  tx = optax.chain(method_tx, optax.sgd(0.05, momentum=0.9))
-
-  def worker_init(_):
-    return tx.init(params)
-
-  opt_state = jax.vmap(worker_init, axis_name=AXIS, axis_size=workers)(jnp.arange(workers))
+def train(sparsifier, workload, *, steps, workers, seed=0):
+  """Trains a demo task; returns the per-step stats of worker 0 and ``N``."""
+  task, batch, optimizer = task_of(workload)
+  params = task.init_params(jax.random.key(seed))
+  tx = optax.chain(sparsifier, optimizer)
+  opt_state = jax.vmap(lambda _: tx.init(params), axis_name=AXIS, axis_size=workers)(
+    jnp.arange(workers)
+  )
 
   @jax.jit
-  def train_step(params, opt_state, key):
-    idx = jax.random.randint(key, (workers, batch), 0, x.shape[0])
+  def step(params, opt_state, inputs, targets):
+    def per_worker(state, x, y):
+      grads = jax.grad(task.loss_fn)(params, x, y)
+      return tx.update(grads, state, params)
 
-    def per_worker(state, idx):
-      grads = jax.grad(loss_fn)(params, x[idx], y[idx])
-      updates, state = tx.update(grads, state, params)
-      return updates, state
+    updates, opt_state = jax.vmap(per_worker, axis_name=AXIS)(opt_state, inputs, targets)
+    params = optax.apply_updates(params, jax.tree.map(lambda u: u[0], updates))
+    return params, opt_state, jax.tree.map(lambda s: s[0], exdyna_jax.get_stats(opt_state))
 
-    updates, opt_state = jax.vmap(per_worker, axis_name=AXIS)(opt_state, idx)
-    updates = jax.tree.map(lambda u: u[0], updates)
-    return optax.apply_updates(params, updates), opt_state
-
-  key = jax.random.key(seed + 1)
-  trace = {"selected": [], "overflow": [], "imbalance": [], "workloads": [], "threshold": []}
-  num_elements = sum(p.size for p in jax.tree.leaves(params))
+  rng = np.random.default_rng(seed)
+  records = []
   for _ in range(steps):
-    key, sub = jax.random.split(key)
-    params, opt_state = train_step(params, opt_state, sub)
-    stats = jax.tree.map(lambda a: np.asarray(a)[0], exdyna_jax.get_stats(opt_state))
-    trace["selected"].append(int(stats.selected))
-    trace["overflow"].append(int(stats.overflow))
-    trace["imbalance"].append(float(stats.imbalance))
-    trace["workloads"].append(stats.workloads.tolist())
-    trace["threshold"].append(float(stats.threshold))
-  return {key: np.asarray(value) for key, value in trace.items()}, num_elements
+    inputs, targets = task.sample_batch(rng, workers * batch)
+    inputs = inputs.reshape(workers, batch, *inputs.shape[1:])
+    targets = targets.reshape(workers, batch, *targets.shape[1:])
+    params, opt_state, stats = step(params, opt_state, inputs, targets)
+    records.append(jax.device_get(stats))
+  metrics = {name: float(value) for name, value in jax.jit(task.evaluate)(params).items()}
+  return records, sum(x.size for x in jax.tree.leaves(params)), metrics
 
 
-def summarize(selected, target, start=20):
-  """Entry into +-5 % and the error after ``start`` (steps count from 1)."""
-  ratio = np.asarray(selected) / target
-  error = np.abs(ratio[start:] - 1)
-  inside = np.nonzero(np.abs(ratio - 1) <= 0.05)[0]
-  outside = np.nonzero(np.abs(ratio - 1) > 0.05)[0]
+def positional_profile(num_elements):
+  position = np.arange(num_elements) / num_elements
+  return 0.2 + 3 * np.exp(-(((position - 0.3) / 0.02) ** 2)) + 2 * (position > 0.9)
+
+
+def stream(sparsifier, workload, *, steps, workers, seed=0):
+  """Feeds fresh positional-profile gradients every step; stats of worker 0."""
+  profile = jnp.asarray(positional_profile(STREAM_ELEMENTS), jnp.float32)
+  worker_scale = 1 + (0.25 if workload == "heterogeneous" else 0.0) * jnp.arange(workers)
+  params = jnp.zeros(STREAM_ELEMENTS)
+
+  def per_worker(key, scale):
+    def step(state, t):
+      grads = scale * profile * jax.random.normal(jax.random.fold_in(key, t), profile.shape)
+      _, state = sparsifier.update(grads, state, params)
+      return state, exdyna_jax.get_stats(state)
+
+    return jax.lax.scan(step, sparsifier.init(params), jnp.arange(steps))[1]
+
+  keys = jax.random.split(jax.random.key(seed), workers)
+  run = jax.jit(jax.vmap(per_worker, axis_name=AXIS, axis_size=workers))
+  stats = jax.device_get(jax.tree.map(lambda s: s[0], run(keys, worker_scale)))
+  records = [jax.tree.map(lambda s, i=i: s[i], stats) for i in range(steps)]
+  return records, STREAM_ELEMENTS, {}
+
+
+def summarize(trace, target, start=20):
+  """What the user gets after ``start`` steps: sent density error, overflow, balance."""
+  sent = np.asarray(trace["transmitted"][start:]) / target
+  error = np.abs(sent - 1)
+  overflow = np.asarray(trace["overflow"][start:]) / target
+  imbalance = np.asarray(trace["imbalance"][start:])
+  inside = np.nonzero(np.abs(np.asarray(trace["transmitted"]) / target - 1) <= 0.05)[0]
   return {
-    f"median_abs_error_after_{start}": float(np.median(error)),
-    f"p90_abs_error_after_{start}": float(np.quantile(error, 0.9)),
-    f"fraction_within_5pct_after_{start}": float(np.mean(error <= 0.05)),
+    "median_sent_over_k": float(np.median(sent)),
+    "median_abs_sent_error": float(np.median(error)),
+    "p90_abs_sent_error": float(np.quantile(error, 0.9)),
     "first_step_within_5pct": int(inside[0]) + 1 if inside.size else None,
-    "last_step_outside_5pct": int(outside[-1]) + 1 if outside.size else 0,
-    "final_ratio": float(ratio[-1]),
-  }
-
-
-def balance(trace, start=20):
-  """Imbalance (max/mean workload) and overflow after ``start`` steps."""
-  imbalance = trace["imbalance"][start:]
-  overflow = trace["overflow"][start:]
-  selected = np.maximum(trace["selected"][start:], 1)
-  return {
-    f"median_imbalance_after_{start}": float(np.median(imbalance)),
-    f"p90_imbalance_after_{start}": float(np.quantile(imbalance, 0.9)),
-    f"max_imbalance_after_{start}": float(np.max(imbalance)),
-    f"steps_with_overflow_after_{start}": int(np.sum(overflow > 0)),
-    f"mean_overflow_fraction_after_{start}": float(np.mean(overflow / selected)),
+    "mean_overflow_over_k": float(np.mean(overflow)),
+    "p90_overflow_over_k": float(np.quantile(overflow, 0.9)),
+    "median_imbalance": float(np.median(imbalance)),
+    "p90_imbalance": float(np.quantile(imbalance, 0.9)),
+    "median_selected_over_k": float(np.median(np.asarray(trace["selected"][start:]) / target)),
+    "bytes_sent": int(np.median(trace["bytes_sent"])),
   }
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__)
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--steps", type=int, default=600)
-  parser.add_argument("--densities", default="0.01,0.001")
   parser.add_argument("--workers", type=int, default=8)
-  parser.add_argument("--batch", type=int, default=32)
-  parser.add_argument("--methods", default="exdyna,micro")
-  parser.add_argument("--hidden", default="256,1024", help="MLP widths (one run set each)")
-  parser.add_argument("--out", default=None, help="JSON with the traces (else summary only)")
+  parser.add_argument("--workloads", default=",".join(WORKLOADS))
+  parser.add_argument("--methods", default="exdyna")
+  parser.add_argument("--label", default="after", help="names the library version under test")
+  parser.add_argument("--out", default=None, help="JSON to merge the runs into")
   args = parser.parse_args()
-  summary, runs = {}, []
-  configs = itertools.product(
-    (int(h) for h in args.hidden.split(",")),
-    (float(d) for d in args.densities.split(",")),
-    args.methods.split(","),
-    ("reference", "adaptive"),
-  )
-  for hidden, density, method, controller in configs:
-    tx = getattr(exdyna_jax, method)(density, controller=controller)
-    trace, num_elements = run(
-      tx, steps=args.steps, workers=args.workers, batch=args.batch, hidden=hidden
-    )
-    target = int(density * num_elements)
-    name = f"{method}/{controller}/d={density}/hidden={hidden}"
-    summary[name] = {**summarize(trace["selected"], target), **balance(trace)}
-    runs.append(
-      {
-        "method": method,
-        "controller": controller,
-        "density": density,
-        "hidden": hidden,
-        "elements": int(num_elements),
-        "target": target,
-        "summary": summary[name],
-        **{key: value.tolist() for key, value in trace.items()},
-      }
-    )
-    print(name, json.dumps(summary[name]), file=sys.stderr, flush=True)
-  print(json.dumps(summary, indent=2))
+  runs = []
+  for workload in args.workloads.split(","):
+    densities, kind = WORKLOADS[workload]
+    for density in densities:
+      for method in args.methods.split(","):
+        start = time.perf_counter()
+        sparsifier = exdyna_jax.get_sparsifier(method, density=density, axis_name=AXIS)
+        fn = train if kind == "task" else stream
+        records, num_elements, metrics = fn(
+          sparsifier, workload, steps=args.steps, workers=args.workers
+        )
+        target = int(density * num_elements)
+        fields = ("selected", "transmitted", "overflow", "imbalance", "threshold", "bytes_sent")
+        trace = {f: [getattr(r, f).item() for r in records] for f in fields}
+        run = {
+          "label": args.label,
+          "workload": workload,
+          "method": method,
+          "density": density,
+          "elements": int(num_elements),
+          "target": target,
+          "metrics": metrics,
+          "summary": summarize(trace, target),
+          "seconds": time.perf_counter() - start,
+          **trace,
+        }
+        runs.append(run)
+        print(f"{args.label} {workload} {method} d={density}: {json.dumps(run['summary'])}",
+              file=sys.stderr, flush=True)
   if args.out:
     import _common
 
+    path = pathlib.Path(args.out)
+    kept = []
+    if path.exists():
+      kept = [r for r in json.loads(path.read_text()).get("runs", []) if r.get("label")
+              and r["label"] != args.label]
     _common.write_json(
       args.out,
       {
         "benchmark": "density_control",
         "steps": args.steps,
         "workers": args.workers,
-        "batch": args.batch,
-        "model": "MLP 64-h-h-10 on sklearn digits, SGD 0.05 m=0.9",
-        "runs": runs,
+        "workloads": {name: kind for name, (_, kind) in WORKLOADS.items()},
+        "runs": kept + runs,
       },
     )
 

@@ -9,8 +9,9 @@ own batches, and records `exdyna_jax.SparsifierStats` after every step:
 - ``exdyna_workloads.png``: the imbalance (largest over mean partition
   workload) of ExDyna and MiCRO, and their per-partition workloads late in
   the run;
-- ``exdyna_threshold.png``: selected count over target ``K/k`` and the
-  threshold, for the adaptive and the reference (published) controllers.
+- ``exdyna_threshold.png``: indices sent over target (``transmitted / k``)
+  and the threshold, for the default (adaptive controller, balanced
+  partitions) and the published rules (``controller="reference"``).
 
 Run from the repository root (about a minute on 2 CPU cores)::
 
@@ -79,22 +80,16 @@ def run(sparsifier, *, steps: int, workers: int, batch: int, seed: int) -> dict[
   return trace
 
 
-def block_size(num_elements: int, num_blocks: int) -> int:
-  """Elements per block (the library's rule: a multiple of 32)."""
-  per_block = num_elements // num_blocks
-  return per_block - per_block % 32
-
-
 def summarize(traces: dict[str, dict[str, np.ndarray]], target: int, skip: int) -> dict:
   """The numbers the page quotes, from step ``skip`` on."""
   out: dict[str, Any] = {"target_k": target}
   for name, trace in traces.items():
-    ratio = trace["selected"] / target
+    ratio = trace["transmitted"] / target
     inside = np.nonzero(np.abs(ratio - 1) <= 0.05)[0]
     out[name] = {
-        "median_abs_K_over_k_minus_1": float(np.median(np.abs(ratio[skip:] - 1))),
+        "median_abs_sent_over_k_minus_1": float(np.median(np.abs(ratio[skip:] - 1))),
         "first_step_within_5pct": int(inside[0]) + 1 if inside.size else None,
-        "final_K_over_k": float(ratio[-1]),
+        "median_sent_over_k": float(np.median(ratio[skip:])),
         "median_imbalance": float(np.median(trace["imbalance"][skip:])),
         "overflow_fraction": float(
             np.sum(trace["overflow"][skip:]) / max(np.sum(trace["selected"][skip:]), 1)
@@ -103,15 +98,15 @@ def summarize(traces: dict[str, dict[str, np.ndarray]], target: int, skip: int) 
   return out
 
 
-def plot_partitions(trace, *, num_blocks: int, workers: int, path: pathlib.Path) -> None:
+def plot_partitions(trace, *, workers: int, path: pathlib.Path) -> None:
   """Partition boundaries over the steps, and worker 0's partition (rotation)."""
   import matplotlib.pyplot as plt
 
   num_elements = int(trace["leaf_sizes"].sum())
-  size = block_size(num_elements, num_blocks)
+  num_blocks = int(trace["partition_sizes"][0].sum())
+  size = -(-num_elements // num_blocks)  # the default layout: the last block short
   starts = trace["partition_starts"] * size  # [steps, n], in elements
-  ends = starts + trace["partition_sizes"] * size
-  ends[:, -1] = num_elements  # the remainder belongs to the last partition
+  ends = np.minimum(starts + trace["partition_sizes"] * size, num_elements)
   steps = np.arange(1, len(starts) + 1)
   layer_ends = np.cumsum(trace["leaf_sizes"])[:-1]
   colors = plt.get_cmap("tab10")(np.arange(workers) % 10)
@@ -157,7 +152,7 @@ def plot_workloads(exdyna, micro, *, skip: int, path: pathlib.Path) -> None:
   ax = axes[0]
   steps = np.arange(1, len(exdyna["imbalance"]) + 1)
   for trace, label, color in ((micro, "MiCRO (static partitions)", "tab:orange"),
-                              (exdyna, "ExDyna (rebalanced)", "tab:blue")):
+                              (exdyna, "ExDyna (re-cut every step)", "tab:blue")):
     ax.plot(steps, trace["imbalance"], color=color, linewidth=0.9, label=label)
   ax.axhline(1.0, color="black", linewidth=0.6)
   ax.set_xlabel("step")
@@ -175,7 +170,7 @@ def plot_workloads(exdyna, micro, *, skip: int, path: pathlib.Path) -> None:
     ax.axhline(late.mean(), color=color, linewidth=1.0, linestyle="--")
   ax.set_xticks(index)
   ax.set_xlabel("partition")
-  ax.set_ylabel(f"elements selected per step (mean of steps > {skip})")
+  ax.set_ylabel(f"elements passed per step (mean of steps > {skip})")
   ax.set_title("(b) workload per partition; dashed: the mean")
   ax.legend(frameon=False)
   fig.tight_layout()
@@ -184,20 +179,20 @@ def plot_workloads(exdyna, micro, *, skip: int, path: pathlib.Path) -> None:
 
 
 def plot_threshold(adaptive, reference, *, target: int, path: pathlib.Path) -> None:
-  """K/k and the threshold per step for the two controllers."""
+  """Indices sent over k, and the threshold, per step for the two rules."""
   import matplotlib.pyplot as plt
 
   fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-  steps = np.arange(1, len(adaptive["selected"]) + 1)
-  runs = ((reference, 'controller="reference" (published rule)', "tab:red"),
-          (adaptive, 'controller="adaptive" (default)', "tab:blue"))
+  steps = np.arange(1, len(adaptive["transmitted"]) + 1)
+  runs = ((reference, 'controller="reference" (published rules)', "tab:red"),
+          (adaptive, "default (adaptive, balanced)", "tab:blue"))
   ax = axes[0]
   for trace, label, color in runs:
-    ax.plot(steps, trace["selected"] / target, color=color, linewidth=0.9, label=label)
+    ax.plot(steps, trace["transmitted"] / target, color=color, linewidth=0.9, label=label)
   ax.axhspan(0.95, 1.05, color="gray", alpha=0.25, linewidth=0, label="±5 %")
   ax.set_yscale("log")
   ax.set_xlabel("step")
-  ax.set_ylabel("K / k (selected over target)")
+  ax.set_ylabel("sent / k (transmitted over target)")
   ax.set_title(f"(a) density control, k = {target}")
   ax.legend(frameon=False, fontsize=8)
   ax = axes[1]
@@ -218,7 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--density", type=float, default=0.01)
   parser.add_argument("--workers", type=int, default=8)
   parser.add_argument("--batch", type=int, default=32, help="examples per worker per step")
-  parser.add_argument("--num-blocks", type=int, default=256)
+  parser.add_argument("--num-blocks", type=int, default=None,
+                      help="blocks of ExDyna (default: the library's default)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
   parser.add_argument("--smoke", action="store_true",
@@ -244,8 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
   target = int(d * num_elements)
   skip = min(20, args.steps // 2)
   args.out.mkdir(parents=True, exist_ok=True)
-  plot_partitions(traces["exdyna/adaptive"], num_blocks=blocks, workers=args.workers,
-                  path=args.out / FIGURES[0])
+  plot_partitions(traces["exdyna/adaptive"], workers=args.workers, path=args.out / FIGURES[0])
   plot_workloads(traces["exdyna/adaptive"], traces["micro/adaptive"], skip=skip,
                  path=args.out / FIGURES[1])
   plot_threshold(traces["exdyna/adaptive"], traces["exdyna/reference"], target=target,

@@ -100,8 +100,8 @@ def main():
     if t % 50 == 0 or t == args.steps - 1:
       stats = exdyna_jax.get_stats(opt_state)
       print(
-          f"step {t:4d}  loss {float(loss):.4f}  selected {int(stats.selected[0]):5d} / k={target}"
-          f"  sent {int(stats.transmitted[0]):5d}  overflow {int(stats.overflow[0]):4d}"
+          f"step {t:4d}  loss {float(loss):.4f}  sent {int(stats.transmitted[0]):5d} / k={target}"
+          f"  overflow {int(stats.overflow[0]):4d}"
           f"  threshold {float(stats.threshold[0]):.2e}"
           f"  imbalance {float(stats.imbalance[0]):.2f}"
       )

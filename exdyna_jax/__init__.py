@@ -2,7 +2,7 @@
 
 from exdyna_jax._cltk import cltk
 from exdyna_jax._dense import DenseState, dense
-from exdyna_jax._exdyna import exdyna
+from exdyna_jax._exdyna import ExDynaState, exdyna
 from exdyna_jax._feedback import ErrorFeedbackState
 from exdyna_jax._hard_threshold import hard_threshold
 from exdyna_jax._hierarchical import hierarchical
@@ -17,6 +17,7 @@ __all__ = [
     "DataParallel",
     "DenseState",
     "ErrorFeedbackState",
+    "ExDynaState",
     "SparDLRounds",
     "SparDLState",
     "SparsifierStats",

@@ -15,8 +15,8 @@ with sparsified gradient exchanges, on simulated CPU workers, and compare them.
 
 Every method starts from the same weights and sees the same batches. While it
 runs you see one progress bar per method; then a table with the final test
-accuracy, the density achieved (indices exchanged / N) and how closely the
-selected count K tracked its target k, overflow, the bytes one worker sends
+accuracy, the density sent (indices transmitted / N, and over the k asked
+for), the overflow kept back for later steps, the bytes one worker sends
 per step (counted from the compiled program's collectives) and their ratio to
 dense, and the step time. Per-step metrics (JSON lines), the table, a summary
 and PNG plots go to the run directory.
@@ -32,7 +32,7 @@ examples:
   exdyna-jax demo --density 0.001 --learning-rate 0.1 --warmup-steps 50
 
 outputs (in --run-dir):
-  metrics-<method>.jsonl  one line per step: loss, density, threshold, K, overflow,
+  metrics-<method>.jsonl  one line per step: loss, density, sent/k, threshold, overflow,
                           partitions, bytes, step time, test metrics every --eval-every
   table.txt, summary.json the comparison (summary.json also lists the collectives)
   loss.png, density_threshold.png, partitions.png, bytes.png"""

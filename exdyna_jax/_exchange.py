@@ -15,7 +15,6 @@ index carry the same summed value.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -140,12 +139,13 @@ def count_in_range(
     thresholds: jax.Array,
     *,
     chunk: int,
-) -> jax.Array:
+) -> tuple[jax.Array, jax.Array]:
   """Elements of ``accumulated[begin:end]`` with ``|a| >= t``, for each threshold ``t``.
 
   A loop over the chunks of ``chunk`` elements that overlap ``[begin, end)``
-  reads each of them once and counts all thresholds (`row_counts`), so the
-  cost follows the length of the range, not a static bound on it.
+  reads each of them once, counts all thresholds (`row_counts`) and takes the
+  largest magnitude, so the cost follows the length of the range, not a
+  static bound on it.
 
   Args:
     accumulated: float32 ``[N]``.
@@ -155,125 +155,30 @@ def count_in_range(
     chunk: static elements per iteration (see `chunk_length`).
 
   Returns:
-    int32 ``[P]`` counts.
+    ``(counts, largest)``: int32 ``[P]`` counts and the float32 largest
+    ``|a|`` in the range (0 for an empty range; NaN is never the largest).
   """
   num_elements = accumulated.shape[0]
   chunk = min(chunk, num_elements)
 
-  def count_chunk(index, counts):
+  def count_chunk(index, carry):
+    counts, largest = carry
     nominal = index * chunk
     start = jnp.minimum(nominal, num_elements - chunk)  # the last chunk shifts left to fit
     ids = start + jnp.arange(chunk, dtype=jnp.int32)
     # From the nominal start only: a shifted last chunk overlaps the one before.
     inside = (ids >= jnp.maximum(begin, nominal)) & (ids < end)
     # Outside the range a magnitude of -1 passes no threshold (NaN passes none either).
-    magnitudes = jnp.where(
-        inside, jnp.abs(jax.lax.dynamic_slice(accumulated, (start,), (chunk,))), -1.0
-    )
+    magnitudes = jnp.abs(jax.lax.dynamic_slice(accumulated, (start,), (chunk,)))
+    magnitudes = jnp.where(inside & ~jnp.isnan(magnitudes), magnitudes, -1.0)
     passes = [magnitudes >= thresholds[p] for p in range(thresholds.shape[0])]
-    return counts + jnp.sum(row_counts(passes), axis=0)
+    return counts + jnp.sum(row_counts(passes), axis=0), jnp.maximum(largest, jnp.max(magnitudes))
 
   first, last = begin // chunk, (end + chunk - 1) // chunk
   # The first chunk outside the loop gives the carry the type (and, under
   # shard_map, the varying axes) that the loop body returns.
-  counts = count_chunk(first, jnp.zeros(thresholds.shape, jnp.int32))
-  return jax.lax.fori_loop(first + 1, last, count_chunk, counts)
-
-
-def compact_rows(
-    counts_per_row: jax.Array,
-    is_set: Callable[[jax.Array], jax.Array],
-    capacity: int,
-    num_elements: int,
-) -> jax.Array:
-  """Indices of the first ``capacity`` set elements, from per-row counts.
-
-  The first ``capacity`` non-empty rows are found with a prefix sum over the
-  ``N / 32`` row counts only; the ``capacity x 32`` elements of those rows are
-  then compacted. The first ``capacity`` set elements always lie in the first
-  ``capacity`` non-empty rows.
-
-  Args:
-    counts_per_row: int32 ``[ceil(N / 32)]`` set elements per row.
-    is_set: maps int32 element indices (any shape, all ``< N``) to whether
-      they are set.
-    capacity: static number of slots ``C``.
-    num_elements: ``N``, also the sentinel.
-
-  Returns:
-    int32 ``[C]`` ascending indices, padded with the sentinel ``N``.
-  """
-  num_rows = counts_per_row.shape[0]
-  (row_ids,) = jnp.nonzero(counts_per_row > 0, size=min(capacity, num_rows), fill_value=num_rows)
-  element_ids = row_ids[:, None] * ROW + jnp.arange(ROW, dtype=jnp.int32)
-  valid = element_ids < num_elements
-  picked = valid & is_set(jnp.where(valid, element_ids, 0))
-  per_row = jnp.sum(picked, axis=1, dtype=jnp.int32)
-  row_offsets = jnp.cumsum(per_row) - per_row
-  rank_in_row = jnp.cumsum(picked, axis=1, dtype=jnp.int32) - 1
-  slots = jnp.where(picked, row_offsets[:, None] + rank_in_row, capacity)
-  indices = jnp.full((capacity,), num_elements, jnp.int32)
-  return indices.at[slots.reshape(-1)].set(element_ids.reshape(-1), mode="drop")
-
-
-class Window(NamedTuple):
-  """A contiguous range of the accumulated gradient that a selection scans.
-
-  Selecting inside a partition only needs the partition, so the scan, the
-  prefix sums and the compaction run on a static-size range that holds it:
-  their cost grows with the partition (about ``N / n``), not with ``N``. The
-  range is read in place (a ``dynamic_slice`` that XLA fuses into the scan),
-  never copied out.
-
-  Attributes:
-    accumulated: float32 ``[N]`` the whole vector.
-    offset: int32 global index of the window's first element.
-    length: static number of elements ``W``.
-  """
-
-  accumulated: jax.Array
-  offset: jax.Array
-  length: int
-
-  @classmethod
-  def whole(cls, accumulated: jax.Array) -> Window:
-    """The whole vector as a window."""
-    return cls(accumulated, jnp.int32(0), accumulated.shape[0])
-
-  @classmethod
-  def around(cls, accumulated: jax.Array, begin: jax.Array, length: int) -> Window:
-    """The ``length`` elements from ``begin`` (shifted left to fit inside ``N``)."""
-    offset = jnp.clip(begin, 0, accumulated.shape[0] - length).astype(jnp.int32)
-    return cls(accumulated, offset, length)
-
-  @property
-  def num_elements(self) -> int:
-    """``N``, the length of the whole vector (and the sentinel)."""
-    return self.accumulated.shape[0]
-
-  def scan(self, begin, end, threshold) -> jax.Array:
-    """bool ``[W]``: which window elements lie in ``[begin, end)`` with ``|a| >= threshold``.
-
-    Elementwise over the window read in place: XLA fuses the slice into
-    whatever consumes the result.
-    """
-    global_ids = self.offset + jnp.arange(self.length, dtype=jnp.int32)
-    values = jax.lax.dynamic_slice(self.accumulated, (self.offset,), (self.length,))
-    return (global_ids >= begin) & (global_ids < end) & (jnp.abs(values) >= threshold)
-
-  def passes(self, begin, end, threshold) -> Callable[[jax.Array], jax.Array]:
-    """``local ids -> begin <= global id < end and |value| >= threshold``, by a gather.
-
-    For a few elements (the rows that `compact_rows` picks); `scan` reads the
-    whole window.
-    """
-
-    def passes(ids):
-      global_ids = self.offset + ids
-      values = self.accumulated[global_ids]
-      return (global_ids >= begin) & (global_ids < end) & (jnp.abs(values) >= threshold)
-
-    return passes
+  carry = count_chunk(first, (jnp.zeros(thresholds.shape, jnp.int32), jnp.float32(0.0)))
+  return jax.lax.fori_loop(first + 1, last, count_chunk, carry)
 
 
 class Selection(NamedTuple):
@@ -283,54 +188,93 @@ class Selection(NamedTuple):
     indices: int32 ``[C]`` chosen indices, sentinel ``N`` in unused slots.
     passed: int32 number of elements that passed the threshold (before
       capacity).
-    sent: int32 ``|I_w|`` as the reference counts it: ``passed``, or 1 when
-      the fallback index was sent.
   """
 
   indices: jax.Array
   passed: jax.Array
-  sent: jax.Array
 
 
-def select_window(
-    window: Window,
+def select_in_range(
+    accumulated: jax.Array,
     threshold: jax.Array,
     begin: jax.Array,
     end: jax.Array,
     *,
     capacity: int,
+    chunk: int,
     fallback_offset: jax.Array | None = None,
 ) -> Selection:
-  """Selects ``|a| >= threshold`` inside ``[begin, end)``.
+  """The lowest ``capacity`` indices in ``[begin, end)`` with ``|a| >= threshold``.
 
-  One pass over the window counts the passing elements per row of 32; the
-  prefix sums and the compaction then work on row counts and on the few
-  non-empty rows only.
+  A loop over the chunks that overlap the range (as `count_in_range`) reads
+  each once: it counts the passing elements per row of 32 and keeps the
+  first ``capacity`` non-empty rows; only those rows are then read again and
+  compacted. The cost follows the length of the range, so partitions of any
+  length cost what they hold.
 
   Args:
-    window: a `Window` that holds ``[begin, end)``.
+    accumulated: float32 ``[N]``.
     threshold: float32 scalar.
-    begin: int32 first global index of the range.
-    end: int32 one past its last global index.
+    begin: int32 first index of the range.
+    end: int32 one past its last index (``> begin``).
     capacity: static buffer size ``C``.
+    chunk: static elements per iteration (see `chunk_length`).
     fallback_offset: if given and nothing passes, index
       ``begin + fallback_offset mod (end - begin)`` is sent alone (so every
       worker always sends something, as the reference does).
 
   Returns:
-    The `Selection`, with global indices.
+    The `Selection`, indices ascending.
   """
-  counts = row_counts([window.scan(begin, end, threshold)])[:, 0]
-  passed = jnp.sum(counts)
-  local = compact_rows(counts, window.passes(begin, end, threshold), capacity, window.length)
-  indices = jnp.where(local < window.length, local + window.offset, window.num_elements)
-  sent = passed
+  num_elements = accumulated.shape[0]
+  chunk = min(chunk, num_elements)
+  num_rows = -(-chunk // ROW)
+  take = min(capacity, num_rows)  # rows one chunk can contribute
+
+  def scan_chunk(index, carry):
+    row_starts, row_floors, filled, passed = carry
+    nominal = index * chunk
+    start = jnp.minimum(nominal, num_elements - chunk)  # the last chunk shifts left to fit
+    floor = jnp.maximum(begin, nominal)  # a shifted chunk's overlap is its neighbour's
+    ids = start + jnp.arange(chunk, dtype=jnp.int32)
+    magnitudes = jnp.abs(jax.lax.dynamic_slice(accumulated, (start,), (chunk,)))
+    counts = row_counts([(ids >= floor) & (ids < end) & (magnitudes >= threshold)])[:, 0]
+    (rows,) = jnp.nonzero(counts > 0, size=take, fill_value=num_rows)
+    at = (jnp.minimum(filled, capacity),)
+    row_starts = jax.lax.dynamic_update_slice(row_starts, start + rows * ROW, at)
+    row_floors = jax.lax.dynamic_update_slice(row_floors, jnp.full((take,), floor), at)
+    return row_starts, row_floors, filled + jnp.sum(counts > 0), passed + jnp.sum(counts)
+
+  first, last = begin // chunk, (end + chunk - 1) // chunk
+  # Zero typed like the gradient (per worker under shard_map), so the loop
+  # carry has the type the body returns even where the range is the same on
+  # every worker.
+  zero = jnp.zeros_like(accumulated, jnp.int32, shape=())
+  empty = jnp.full((capacity + take,), num_elements, jnp.int32) + zero
+  carry = scan_chunk(first, (empty, empty, zero, zero))
+  row_starts, row_floors, filled, passed = jax.lax.fori_loop(first + 1, last, scan_chunk, carry)
+
+  # Compact the picked rows: the first C passing elements lie in the first C
+  # non-empty rows.
+  picked_rows = jnp.arange(capacity) < filled
+  element_ids = row_starts[:capacity, None] + jnp.arange(ROW, dtype=jnp.int32)
+  values = accumulated.at[element_ids].get(mode="fill", fill_value=0)
+  picked = (
+      picked_rows[:, None]
+      & (element_ids >= row_floors[:capacity, None])
+      & (element_ids < end)
+      & (jnp.abs(values) >= threshold)
+  )
+  per_row = jnp.sum(picked, axis=1, dtype=jnp.int32)
+  row_offsets = jnp.cumsum(per_row) - per_row
+  rank_in_row = jnp.cumsum(picked, axis=1, dtype=jnp.int32) - 1
+  slots = jnp.where(picked, row_offsets[:, None] + rank_in_row, capacity)
+  indices = jnp.full((capacity,), num_elements, jnp.int32)
+  indices = indices.at[slots.reshape(-1)].set(element_ids.reshape(-1), mode="drop")
   if fallback_offset is not None:
-    nothing = passed == 0
     fallback = begin + fallback_offset % (end - begin)
-    indices = indices.at[0].set(jnp.where(nothing, fallback, indices[0]))
-    sent = jnp.where(nothing, 1, passed)
-  return Selection(indices, passed, sent)
+    indices = indices.at[0].set(jnp.where(passed == 0, fallback, indices[0]))
+  return Selection(indices, passed)
 
 
 class SparseUpdate(NamedTuple):
@@ -404,12 +348,20 @@ def gather_indices(
     row ``w`` from worker ``w``.
   """
   capacity = indices.shape[0]
-  payload = jnp.concatenate([indices, side_info.astype(jnp.int32)])
-  if _is_manual(axis_name):
-    gathered = jax.lax.all_gather(payload, axis_name, to="invarying")
-  else:  # vmap(axis_name=...) has no invariant all_gather
-    gathered = jax.lax.all_gather(payload, axis_name)
+  gathered = all_gather(jnp.concatenate([indices, side_info.astype(jnp.int32)]), axis_name)
   return gathered[:, :capacity], gathered[:, capacity:]
+
+
+def all_gather(x: jax.Array, axis_name: str) -> jax.Array:
+  """Every worker's ``x``, stacked ``[n, ...]`` (row ``w`` from worker ``w``).
+
+  Identical on every worker, and typed so under ``shard_map`` (invariant), so
+  what is computed from it can leave through ``out_specs=P()``;
+  ``vmap(axis_name=...)`` has no invariant all-gather and gets the plain one.
+  """
+  if _is_manual(axis_name):
+    return jax.lax.all_gather(x, axis_name, to="invarying")
+  return jax.lax.all_gather(x, axis_name)
 
 
 def aggregate_at(accumulated: jax.Array, indices: jax.Array, axis_name: str) -> SparseUpdate:
@@ -430,24 +382,57 @@ def aggregate_at(accumulated: jax.Array, indices: jax.Array, axis_name: str) -> 
   return SparseUpdate(flat_indices, jax.lax.psum(values, axis_name) / num_workers)
 
 
+def compact(gathered_indices: jax.Array, slots: int, num_elements: int) -> jax.Array:
+  """The gathered indices, sentinels dropped, packed into ``slots`` (the same on every worker).
+
+  Worker-major order: worker 0's indices first. Indices past ``slots`` are
+  dropped (they are not exchanged, so they stay in every residual).
+
+  Args:
+    gathered_indices: int32 ``[n, C]`` every worker's index buffer.
+    slots: static number of slots ``M``.
+    num_elements: ``N``, the sentinel.
+
+  Returns:
+    int32 ``[M]`` indices, padded with the sentinel ``N``.
+  """
+  flat = gathered_indices.reshape(-1)
+  valid = flat < num_elements
+  position = jnp.cumsum(valid, dtype=jnp.int32) - 1
+  packed = jnp.full((slots,), num_elements, jnp.int32)
+  return packed.at[jnp.where(valid, position, slots)].set(flat, mode="drop")
+
+
 def exchange(
-    accumulated: jax.Array, indices: jax.Array, side_info: jax.Array, axis_name: str
+    accumulated: jax.Array,
+    indices: jax.Array,
+    side_info: jax.Array,
+    axis_name: str,
+    *,
+    value_slots: int | None = None,
 ) -> Exchanged:
   """All-gathers index buffers (and side information) and sums the values there.
 
-  `gather_indices` followed by `aggregate_at` over the gathered indices.
+  `gather_indices` followed by `aggregate_at` over the gathered indices. With
+  ``value_slots`` the gathered indices are first packed into that many slots
+  (`compact`), so the value ``psum`` -- two thirds of the bytes -- carries
+  the indices actually chosen, not every worker's padding.
 
   Args:
     accumulated: float32 ``[N]`` this worker's accumulated gradient.
     indices: int32 ``[C]`` this worker's chosen indices, sentinel ``N``.
     side_info: int32 ``[S]`` small per-worker integers every worker needs.
     axis_name: the data-parallel axis.
+    value_slots: static number of values summed, or None for all ``n C``.
 
   Returns:
     The `Exchanged` result.
   """
   gathered_indices, gathered_info = gather_indices(indices, side_info, axis_name)
-  sparse = aggregate_at(accumulated, gathered_indices, axis_name)
+  reduced = gathered_indices
+  if value_slots is not None:
+    reduced = compact(gathered_indices, value_slots, accumulated.shape[0])
+  sparse = aggregate_at(accumulated, reduced, axis_name)
   return Exchanged(sparse, gathered_indices, gathered_info)
 
 
@@ -498,15 +483,19 @@ def ring_all_reduce_bytes(num_workers: int, message_bytes: int) -> int:
   return 2 * (num_workers - 1) * message_bytes // num_workers
 
 
-def exchange_bytes(num_workers: int, capacity: int, side_info: int) -> int:
+def exchange_bytes(
+    num_workers: int, capacity: int, side_info: int, value_slots: int | None = None
+) -> int:
   """Bytes one worker sends per step in `exchange`, for ring collectives.
 
   A ring all-gather of ``M`` bytes per worker sends ``(n-1) M``; a ring
   all-reduce of ``M`` bytes sends ``2 (n-1) / n M``. The values all-reduced are
-  ``n C`` floats.
+  ``value_slots`` floats, or ``n C`` without compaction.
   """
+  if value_slots is None:
+    value_slots = num_workers * capacity
   gather = ring_all_gather_bytes(num_workers, (capacity + side_info) * INDEX_BYTES)
-  reduce = ring_all_reduce_bytes(num_workers, num_workers * capacity * VALUE_BYTES)
+  reduce = ring_all_reduce_bytes(num_workers, value_slots * VALUE_BYTES)
   return gather + reduce
 
 

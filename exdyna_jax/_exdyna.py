@@ -1,23 +1,121 @@
-"""ExDyna: exclusive, dynamically rebalanced block partitions."""
+"""ExDyna: exclusive, rebalanced block partitions and one steered threshold.
+
+The step, top to bottom (`_partitioned_transform`, shared with MiCRO):
+
+1. accumulate: ``a = g + m`` (the error-feedback shell, `_feedback`);
+2. partitions: cut this step's partitions (balanced: from the workload
+   estimate; reference: the published neighbour rule; MiCRO: fixed) and
+   find the one this worker owns (rotation);
+3. threshold: the controller picks one global threshold (adaptive: it
+   measures this step's count curve);
+4. select: ``|a| >= threshold`` inside the worker's own partition, at most
+   ``C`` indices (the lowest), or the fallback index when nothing passes;
+5. exchange: all-gather the index buffers (with the pass counts), sum the
+   values there;
+6. residual: the shell clears every transmitted index in ``a``;
+7. state and stats: the workloads and the estimate the next step cuts from,
+   and the step's telemetry.
+"""
 
 from __future__ import annotations
 
-import functools
+import math
+import numbers
+from collections.abc import Callable
+from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import optax
 
-from exdyna_jax import _partition, _partitioned
+from exdyna_jax import _balance, _exchange, _feedback, _options, _partition, _stats, _threshold
 
-DEFAULT_CAPACITY_FACTOR = 1.5
+PARTITIONERS = ("balanced", "reference")
+# Default index slots per worker, C = (BURST + NOISE / sqrt(k / n)) k / n: a
+# partition's count swings by about +-35 % from step to step even when its
+# expected share is exact (layer-wise gradient bursts, measured on MLPs and a
+# transformer), plus counting noise of sqrt(k / n). This keeps overflow
+# within 1 % of k on the benchmark models (benchmarks/density_control.py).
+CAPACITY_BURST = 2.3
+CAPACITY_NOISE = 4.0
+REFERENCE_CAPACITY_FACTOR = 1.5  # with the published exchange (every slot's value summed)
+
+
+class ExDynaState(NamedTuple):
+  """Optimizer state of `exdyna` and `micro` (per worker).
+
+  Everything but ``residual`` is identical on every worker.
+
+  Attributes:
+    residual: float32 ``[N]`` error-feedback memory of this worker: what it
+      accumulated and has not yet had transmitted.
+    threshold: float32 the threshold of the last step (before the first: the
+      one the first step starts from).
+    partition_sizes: int32 ``[n]`` blocks (MiCRO: elements) per partition at
+      the last step; partition ``p`` starts where ``p - 1`` ends.
+    partition_workloads: int32 ``[n]`` elements of each partition that
+      passed the threshold at the last step, before the capacity limit (1
+      where only the fallback index was sent): the published rules' input.
+    block_workloads: float32 ``[B]`` the balanced partitioner's smoothed
+      share of the selections in each block (empty for the other
+      partitioners).
+    worker_scales: float32 ``[n]`` the balanced partitioner's estimate of
+      how much more each worker selects than the block estimate predicts
+      (empty for the other partitioners).
+    target_correction: float32 the adaptive controller's factor on ``k``,
+      learned from the indices it transmitted (it removes the bias of
+      interpolating between probes; 1 at first, and always for the reference
+      rule).
+    step: int32 completed steps (skipped non-finite steps not counted).
+    stats: `SparsifierStats`, the last step's telemetry (what
+      `exdyna_jax.get_stats` returns); the step reads none of it.
+
+  Example:
+    Two steps on 4 workers simulated with ``jax.vmap``; the gradient is ten
+    times larger in the last quarter of ``N = 8192`` elements:
+
+    >>> import jax, jax.numpy as jnp, exdyna_jax
+    >>> tx = exdyna_jax.exdyna(density=0.01, num_blocks=64)
+    >>> params = jnp.zeros(8192)
+    >>> scale = jnp.where(jnp.arange(8192) < 6144, 1.0, 10.0)
+    >>> grads = scale * jax.random.normal(jax.random.key(0), (4, 8192))
+    >>> def two_steps(g):  # runs per worker
+    ...   state = tx.init(params)
+    ...   first = tx.update(g, state, params)[1]
+    ...   return first, tx.update(g, first, params)[1]
+    >>> first, second = jax.vmap(two_steps, axis_name="data", axis_size=4)(grads)
+    >>> type(second).__name__, second.residual.shape  # [worker, N]: a residual each
+    ('ExDynaState', (4, 8192))
+
+    The first step used four equal partitions of 16 blocks; it measured that
+    nearly all selections fall in the last 16 blocks, so the second step cut
+    those into three partitions:
+
+    >>> print(first.partition_sizes[0], second.partition_sizes[0])
+    [16 16 16 16] [51  4  5  4]
+    >>> print(round(float(first.block_workloads[0, 48:].sum()), 2))
+    0.99
+  """
+
+  residual: jax.Array
+  threshold: jax.Array
+  partition_sizes: jax.Array
+  partition_workloads: jax.Array
+  block_workloads: jax.Array
+  worker_scales: jax.Array
+  target_correction: jax.Array
+  step: jax.Array
+  stats: _stats.SparsifierStats
 
 
 def exdyna(
     density: float,
     *,
     axis_name: str = "data",
-    num_blocks: int = 1024,
-    capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
+    num_blocks: int | None = None,
+    capacity_factor: float | None = None,
     controller: str = "adaptive",
+    partitioner: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """ExDyna gradient sparsification with error feedback, as an optax transform.
 
@@ -28,44 +126,43 @@ def exdyna(
   accumulated gradients at the transmitted indices, zero elsewhere, identical
   on every worker; everything else stays in each worker's residual.
 
-  The flat gradient is cut into ``num_blocks`` blocks; ``n`` runs of
-  contiguous blocks form the partitions, which rotate among workers every
-  step and are rebalanced by comparing neighbours' workloads, so the index
-  buffers stay evenly filled. The threshold is steered online so that about
-  ``k = floor(density * N)`` elements are sent per step.
+  The flat gradient is cut into blocks; ``n`` runs of contiguous blocks form
+  the partitions, which rotate among workers every step. By default
+  (``partitioner="balanced"``) all partitions are re-cut every step from a
+  smoothed per-block workload estimate and each worker's measured scale, so
+  every worker expects ``k / n`` selections; the threshold is steered so
+  that ``k = floor(density * N)`` indices are *transmitted* per step.
 
-  Calling convention: ``init(params)`` and ``update(grads, state, params)``
-  run per worker inside a context that binds ``axis_name``
-  (``jax.shard_map``, ``jax.pmap`` or ``jax.vmap(..., axis_name=...,
-  axis_size=n)``); with plain ``jax.jit`` and ``NamedSharding`` wrap the
-  optimizer in `exdyna_jax.data_parallel`. ``grads`` must be the worker's
-  *local, unreduced* gradient, so the transform must come first in an
-  ``optax.chain``: anything before it would see (and clip, scale or decay)
-  the local gradient instead of the aggregated one, and anything that mixes
-  workers before it would pay the dense traffic it exists to avoid.
-
-  Non-finite gradients: if any worker's gradient ``g`` holds a NaN or an
-  infinity, every worker skips the step together: the update is
-  zero and the state (residual, threshold, partitions, step) keeps its
-  previous value, so nothing of the bad step resurfaces later;
-  ``stats.nonfinite`` counts the bad elements and ``stats.skipped_steps`` the
-  skipped steps. Do not wrap the sparsifier in ``optax.apply_if_finite``: it
-  decides per worker, so a NaN on some workers only would desynchronise them.
+  See :doc:`/usage` for the calling convention (per worker, local gradients,
+  first in the chain) and :doc:`/bad_inputs` for non-finite gradients (every
+  worker skips the step together).
 
   Args:
     density: fraction of gradient elements to send per step, in ``(0, 1]``.
     axis_name: name of the data-parallel axis.
-    num_blocks: number of blocks ``B``; at least ``4 n`` and at most
-      ``N / 32``.
-    capacity_factor: per-worker index buffer size as a multiple of ``k / n``.
-      Elements past it stay in the residual and are counted as overflow.
-    controller: ``"adaptive"`` (default) reaches and holds the target density
-      within a few percent in tens of steps; ``"reference"`` reproduces the
-      published rule exactly (float32 threshold arithmetic).
+    num_blocks: number of blocks ``B``. None (default): for the balanced
+      partitioner up to 1024 per worker of at least 32 elements (fewer for a
+      small model); for the reference one the published 1024.
+    capacity_factor: per-worker index buffer size ``C`` as a multiple of
+      ``k / n``; elements past it stay in the residual and are counted as
+      overflow. None (default): ``2 + 4 / sqrt(k / n)`` with the adaptive
+      controller (room for a partition's step-to-step swings, about +-35 %
+      on real models, and for counting noise), 1.5 with the reference one.
+      Index slots are sent whether used or not; with the adaptive controller
+      only about ``1.1 k`` values are summed, whatever ``C``.
+    controller: ``"adaptive"`` (default) measures this step's count curve and
+      transmits ``k`` indices within a few percent from the first tens of
+      steps; ``"reference"`` reproduces the published rule exactly (float32
+      threshold arithmetic).
+    partitioner: ``"balanced"`` (re-cut every step from the measured
+      workload) or ``"reference"`` (the published layout, blocks of a
+      multiple of 32 elements with the remainder in the last partition, and
+      the published neighbour rule, bit for bit). None (default):
+      ``"reference"`` when ``controller="reference"``, else ``"balanced"``.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a
-    `ErrorFeedbackState`.
+    An ``optax.GradientTransformationExtraArgs`` whose state is an
+    `ExDynaState`.
 
   References:
     Yoon & Oh, "Preserving Near-Optimal Gradient Sparsification Cost for
@@ -77,7 +174,7 @@ def exdyna(
 
     >>> import jax, jax.numpy as jnp, exdyna_jax
     >>> n, k = 8, 40
-    >>> tx = exdyna_jax.exdyna(density=0.01, num_blocks=32)
+    >>> tx = exdyna_jax.exdyna(density=0.01)
     >>> params = {"w": jnp.zeros((64, 64))}
     >>> def train(grads):  # runs per worker
     ...   state = tx.init(params)
@@ -86,37 +183,234 @@ def exdyna(
     ...     return state, updates
     ...   state, updates = jax.lax.scan(step, state, grads)
     ...   return updates["w"][-1], exdyna_jax.get_stats(state)
-    >>> grads = jax.random.normal(jax.random.key(0), (n, 20, 64, 64))
+    >>> scale = jnp.linspace(0.1, 2.0, 4096).reshape(64, 64)  # larger further along
+    >>> grads = scale * jax.random.normal(jax.random.key(0), (n, 20, 64, 64))
     >>> update, stats = jax.jit(jax.vmap(train, axis_name="data", axis_size=n))(grads)
 
     The update is identical on every worker and nonzero exactly at the
-    ``transmitted`` indices; the threshold has been steered to select about
-    ``k`` elements:
+    ``transmitted`` indices, about ``k`` of them:
 
     >>> bool((update == update[0]).all())
     True
     >>> int((update[0] != 0).sum()) == int(stats.transmitted[0])
     True
-    >>> bool(0.8 < stats.selected[0] / k < 1.2)
+    >>> bool(0.9 <= stats.transmitted[0] / k <= 1.1)
     True
 
-    The 32 blocks form 8 partitions, 4 blocks each at the start; by now the
-    rebalancing has moved some boundaries:
+    The 128 blocks of 32 elements started as 8 partitions of 16; the
+    partitions over the large gradients at the end are now the shorter ones:
 
-    >>> int(stats.partition_sizes[0].sum()), bool((stats.partition_sizes[0] != 4).any())
-    (32, True)
+    >>> sizes = stats.partition_sizes[0]
+    >>> int(sizes.sum()), bool(sizes[0] > 16 > sizes[-1])
+    (128, True)
   """
-  if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-    raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}.")
-  return _partitioned.partitioned_sparsifier(
+  if num_blocks is not None and (
+      isinstance(num_blocks, bool) or not isinstance(num_blocks, numbers.Integral)
+      or num_blocks < 1
+  ):
+    raise ValueError(f"num_blocks must be a positive int or None, got {num_blocks!r}.")
+  if partitioner is None:
+    partitioner = "reference" if controller == "reference" else "balanced"
+  if partitioner not in PARTITIONERS:
+    raise ValueError(
+        f"Unknown partitioner {partitioner!r}; expected 'balanced' (default: re-cut every "
+        "step from the measured workload) or 'reference' (the published neighbour rule)."
+    )
+  blocks = None if num_blocks is None else int(num_blocks)
+  if partitioner == "balanced":
+    geometry_fn = lambda n_elements, n_workers: _balance.balanced_geometry(  # noqa: E731
+        n_elements, n_workers, blocks
+    )
+  else:
+    geometry_fn = lambda n_elements, n_workers: _partition.block_geometry(  # noqa: E731
+        n_elements, _partition.REFERENCE_NUM_BLOCKS if blocks is None else blocks, n_workers
+    )
+  return _partitioned_transform(
       density,
       axis_name=axis_name,
       capacity_factor=capacity_factor,
       controller=controller,
-      geometry_fn=functools.partial(_block_geometry, num_blocks),
-      rebalance=True,
+      geometry_fn=geometry_fn,
+      partitioner=partitioner,
   )
 
 
-def _block_geometry(num_blocks: int, num_elements: int, num_workers: int):
-  return _partition.block_geometry(num_elements, num_blocks, num_workers)
+def _partitioned_transform(
+    density: float,
+    *,
+    axis_name: str,
+    capacity_factor: float | None,
+    controller: str,
+    geometry_fn: Callable[[int, int], _partition.BlockGeometry],
+    partitioner: str,
+) -> optax.GradientTransformationExtraArgs:
+  """The step of ExDyna and MiCRO, for one partitioner.
+
+  Args:
+    density: fraction ``d`` of elements to send per step.
+    axis_name: the data-parallel axis.
+    capacity_factor: per-worker buffer size as a multiple of ``k / n``, or
+      None for `default_capacity_factor`.
+    controller: ``"adaptive"`` or ``"reference"``.
+    geometry_fn: ``(N, n) -> BlockGeometry`` (validates and raises).
+    partitioner: ``"balanced"``, ``"reference"`` (the published neighbour
+      rule) or ``"static"`` (partitions never move: MiCRO).
+
+  Returns:
+    The optax transformation; its state is an `ExDynaState`.
+  """
+  density = _options.check_density(density)
+  if capacity_factor is not None:
+    capacity_factor = _options.check_capacity_factor(capacity_factor)
+  threshold_controller = _threshold.get_controller(controller)
+  balanced = partitioner == "balanced"
+
+  def init_state(residual, num_elements, num_workers):
+    geometry = geometry_fn(num_elements, num_workers)
+    target = _options.target_count(density, num_elements)
+    sizes = _partition.initial_sizes(geometry.num_blocks, num_workers)
+    if balanced:
+      block_workloads, worker_scales = _balance.initial_estimate(geometry)
+    else:
+      block_workloads = worker_scales = jnp.zeros((0,), jnp.float32)
+    threshold = threshold_controller.initial_threshold(target)
+    zero = jnp.zeros((num_workers,), jnp.int32)
+    return ExDynaState(
+        residual=residual,
+        threshold=jnp.float32(threshold),
+        partition_sizes=sizes,
+        partition_workloads=zero,
+        block_workloads=block_workloads,
+        worker_scales=worker_scales,
+        target_correction=jnp.float32(1.0),
+        step=jnp.int32(0),
+        stats=_stats.initial_stats(threshold, _partition.starts_of(sizes), sizes),
+    )
+
+  def step(accumulated, state, num_workers):
+    num_elements = accumulated.shape[0]
+    geometry = geometry_fn(num_elements, num_workers)
+    target = _options.target_count(density, num_elements)
+    factor = capacity_factor
+    if factor is None:
+      factor = default_capacity_factor(target, num_workers, controller)
+    capacity = _options.capacity(factor, target, num_workers, num_elements)
+    # The published exchange sums every buffer slot; a steered density lets
+    # the gathered indices be packed into about k slots first.
+    slots = num_workers * capacity
+    if threshold_controller.num_probes:
+      slots = _options.value_slots(target, capacity, num_workers)
+    budget = _threshold.Budget(target, capacity, slots)
+    t = state.step
+
+    # Partitions for this step, and the one this worker owns.
+    if balanced:
+      sizes = _balance.cut(_balance.BalanceEstimate(state.block_workloads, state.worker_scales),
+                           geometry, t)
+    elif partitioner == "reference":
+      adjusted = _partition.adjust(geometry, state.partition_sizes, state.partition_workloads)
+      sizes = jnp.where(t == 0, state.partition_sizes, adjusted)
+    else:
+      sizes = state.partition_sizes
+    starts = _partition.starts_of(sizes)
+    partition = _partition.owned_partition(t, jax.lax.axis_index(axis_name), num_workers)
+    begin, end = _partition.element_range(geometry, starts, sizes, partition)
+
+    # One global threshold. The adaptive controller counts this worker's
+    # partition in place (its cost follows the partition) and gathers every
+    # worker's counts and largest magnitude in one all_gather.
+    chunk = _exchange.chunk_length(num_elements, num_workers)
+
+    def measure(thresholds):
+      counts, largest = _exchange.count_in_range(accumulated, begin, end, thresholds, chunk=chunk)
+      gathered = _exchange.all_gather(
+          jnp.concatenate([counts, _exchange.float_bits(largest)[None]]), axis_name
+      )
+      return _threshold.ProbeCounts(
+          gathered[:, :-1], _exchange.bits_float(jnp.max(gathered[:, -1]))
+      )
+
+    threshold, steady = threshold_controller.choose(
+        state.threshold, jnp.sum(state.partition_workloads), budget, state.target_correction, t,
+        measure,
+    )
+
+    # Exclusive selection: the worker's own partition only, read chunk by chunk.
+    selection = _exchange.select_in_range(
+        accumulated, threshold, begin, end, capacity=capacity, chunk=chunk, fallback_offset=t
+    )
+
+    # Exchange: index buffers with each worker's pass count, values summed.
+    packed = slots if slots < num_workers * capacity else None
+    exchanged = _exchange.exchange(
+        accumulated, selection.indices, selection.passed[None], axis_name, value_slots=packed
+    )
+    passed = exchanged.gathered_info[:, 0]
+    sent = jnp.maximum(passed, 1)  # the fallback index when nothing passed
+    workloads = _partition.by_partition(sent, t)
+
+    # What the next step cuts its partitions from.
+    if balanced:
+      block_workloads, worker_scales = _balance.observe(
+          _balance.BalanceEstimate(state.block_workloads, state.worker_scales),
+          geometry,
+          sizes=sizes,
+          step=t,
+          gathered_indices=exchanged.gathered_indices,
+          passed=passed,
+      )
+    else:
+      block_workloads, worker_scales = state.block_workloads, state.worker_scales
+
+    selected = jnp.sum(sent)
+    transmitted = jnp.minimum(jnp.sum(jnp.minimum(sent, capacity)), slots)
+    stats = _stats.SparsifierStats(
+        step=t + 1,
+        threshold=threshold,
+        selected=selected,
+        transmitted=transmitted,
+        overflow=selected - transmitted,
+        workloads=workloads,
+        imbalance=_stats.imbalance_of(workloads),
+        partition_starts=starts,
+        partition_sizes=sizes,
+        bytes_sent=_stats.static_bytes(
+            _exchange.exchange_bytes(num_workers, capacity, 1, packed)
+            + _threshold.control_bytes(threshold_controller, num_workers)
+        ),
+    )
+    new_state = ExDynaState(
+        residual=state.residual,  # the shell writes the new one
+        threshold=threshold,
+        partition_sizes=sizes,
+        partition_workloads=workloads,
+        block_workloads=block_workloads,
+        worker_scales=worker_scales,
+        target_correction=_threshold.correct(
+            state.target_correction, transmitted, target, steady
+        ),
+        step=t + 1,
+        stats=stats,
+    )
+    return exchanged.sparse, new_state
+
+  return _feedback.error_feedback_transform(
+      axis_name=axis_name, init_state=init_state, step=step
+  )
+
+
+def default_capacity_factor(target: int, num_workers: int, controller: str) -> float:
+  """``capacity_factor`` when the user gives none.
+
+  Args:
+    target: ``k``.
+    num_workers: ``n``.
+    controller: the threshold controller's name.
+
+  Returns:
+    ``CAPACITY_BURST + CAPACITY_NOISE / sqrt(k / n)`` for the adaptive
+    controller, ``REFERENCE_CAPACITY_FACTOR`` for the reference one.
+  """
+  if controller == "reference":
+    return REFERENCE_CAPACITY_FACTOR
+  return CAPACITY_BURST + CAPACITY_NOISE / math.sqrt(target / num_workers)

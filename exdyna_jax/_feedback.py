@@ -2,7 +2,7 @@
 
 ExDyna, MiCRO, Top-k, hard threshold and CLT-k differ only in how one step
 turns this worker's accumulated gradient ``a = g + m`` into the aggregated
-update, its new residual and the step's statistics. The shell does the rest:
+update and the method's new state. The shell does the rest:
 it checks the gradient tree, flattens it, adds the residual, guards against
 non-finite gradients, and unflattens the update.
 
@@ -41,8 +41,7 @@ class ErrorFeedbackState(NamedTuple):
   Attributes:
     residual: float32 ``[N]`` error-feedback memory of this worker: what it
       accumulated and has not yet had transmitted.
-    stats: `SparsifierStats` of the last step (for ExDyna also the
-      partitions and workloads the next step rebalances from).
+    stats: `SparsifierStats` of the last step.
 
   Example:
     >>> import jax, jax.numpy as jnp, exdyna_jax
@@ -73,31 +72,37 @@ SparsifyFn = Callable[
 def error_feedback_transform(
     *,
     axis_name: str,
-    initial_stats: Callable[[int, int], _stats.SparsifierStats],
-    sparsify: SparsifyFn,
+    init_state: Callable[[jax.Array, int, int], Any],
+    step: Callable[[jax.Array, Any, int], tuple[_exchange.SparseUpdate, Any]],
 ) -> optax.GradientTransformationExtraArgs:
   """Builds an optax transform around one sparsification step.
 
+  The method's state is any ``NamedTuple`` with a ``residual`` and a
+  ``stats`` field; the shell owns the residual (it forms ``a = g + m`` in the
+  residual's own buffer and writes the new residual back), the method
+  everything else.
+
   Args:
     axis_name: the data-parallel axis.
-    initial_stats: ``(N, n) -> SparsifierStats`` before the first step (it
-      also validates options that depend on ``N`` and ``n``).
-    sparsify: ``(accumulated, stats, n) -> (sparse_update, stats)``, run per
-      worker inside the mapped context; ``stats`` are the previous step's.
-      The shell writes the `SparseUpdate` into the dense update and clears
-      its indices in the accumulated gradient to form the new residual.
+    init_state: ``(residual, N, n) -> state`` before the first step, holding
+      the given zero ``residual`` (it also validates options that depend on
+      ``N`` and ``n``).
+    step: ``(accumulated, state, n) -> (sparse_update, new_state)``, run per
+      worker inside the mapped context on the previous ``state``. The shell
+      writes the `SparseUpdate` into the dense update and clears its indices
+      in the accumulated gradient to form the new residual; ``new_state``'s
+      own ``residual`` field is ignored.
 
   Returns:
-    The optax transformation; its state is an `ErrorFeedbackState`.
+    The optax transformation.
   """
 
-  def init_fn(params: Any) -> ErrorFeedbackState:
+  def init_fn(params: Any) -> Any:
     layout = _layout.layout_of(params, what="params")
     num_workers = _exchange.axis_size(axis_name)
     residual = jnp.zeros((layout.num_elements,), _layout.ACCUMULATION_DTYPE)
-    return ErrorFeedbackState(
-        residual=_exchange.per_worker(residual, axis_name),
-        stats=initial_stats(layout.num_elements, num_workers),
+    return init_state(
+        _exchange.per_worker(residual, axis_name), layout.num_elements, num_workers
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -105,18 +110,61 @@ def error_feedback_transform(
     layout, num_workers = check_update(updates, state, params, axis_name)
     nonfinite = count_nonfinite(updates, axis_name)
     accumulated = accumulate(updates, state.residual, nonfinite)  # [1, N]
-    sparse, stats = skip_if_nonfinite(
+
+    def without_residual_and_stats(state):  # what the cond carries besides the stats
+      return state._replace(residual=None, stats=None)
+
+    def run_step():
+      sparse, new_state = step(accumulated[0], state, num_workers)
+      return (sparse, without_residual_and_stats(new_state)), new_state.stats
+
+    (sparse, rest), stats = skip_if_nonfinite(
         nonfinite,
-        lambda: sparsify(accumulated[0], state.stats, num_workers),
+        run_step,
         state.stats,
         num_workers,
-        skipped=lambda shapes: _exchange.SparseUpdate.nothing(shapes, layout.num_elements),
+        skipped=lambda shapes: (
+            _exchange.SparseUpdate.nothing(shapes[0], layout.num_elements),
+            without_residual_and_stats(state),
+        ),
     )
     update = sparse.dense(layout.num_elements)
     residual = sparse.clear(accumulated)[0]
-    return _layout.unflatten(update, layout), ErrorFeedbackState(residual, stats)
+    return _layout.unflatten(update, layout), rest._replace(residual=residual, stats=stats)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def stats_state_transform(
+    *,
+    axis_name: str,
+    initial_stats: Callable[[int, int], _stats.SparsifierStats],
+    sparsify: SparsifyFn,
+) -> optax.GradientTransformationExtraArgs:
+  """An `error_feedback_transform` whose state is an `ErrorFeedbackState`.
+
+  For methods that keep nothing but the residual and the last step's stats.
+
+  Args:
+    axis_name: the data-parallel axis.
+    initial_stats: ``(N, n) -> SparsifierStats`` before the first step.
+    sparsify: ``(accumulated, stats, n) -> (sparse_update, stats)``.
+
+  Returns:
+    The optax transformation; its state is an `ErrorFeedbackState`.
+  """
+
+  def step(accumulated, state, num_workers):
+    sparse, stats = sparsify(accumulated, state.stats, num_workers)
+    return sparse, state._replace(stats=stats)
+
+  return error_feedback_transform(
+      axis_name=axis_name,
+      init_state=lambda residual, num_elements, num_workers: ErrorFeedbackState(
+          residual, initial_stats(num_elements, num_workers)
+      ),
+      step=step,
+  )
 
 
 def accumulate(updates: Any, residual: jax.Array, nonfinite: jax.Array) -> jax.Array:
@@ -280,7 +328,7 @@ def fixed_budget_transform(
     k = _options.target_count(density, accumulated.shape[0])
     return sparsify(accumulated, stats, num_workers, k)
 
-  return error_feedback_transform(
+  return stats_state_transform(
       axis_name=axis_name, initial_stats=initial_stats, sparsify=sparsify_k
   )
 

@@ -121,8 +121,13 @@ def hard_threshold(
   def sparsify(accumulated, stats, num_workers):
     num_elements = accumulated.shape[0]
     value, slots = settings(num_elements)
-    selection = _exchange.select_window(
-        _exchange.Window.whole(accumulated), jnp.float32(value), 0, num_elements, capacity=slots
+    selection = _exchange.select_in_range(
+        accumulated,
+        jnp.float32(value),
+        jnp.int32(0),
+        jnp.int32(num_elements),
+        capacity=slots,
+        chunk=_exchange.chunk_length(num_elements, 1),
     )
     exchanged = _exchange.exchange(
         accumulated, selection.indices, selection.passed[None], axis_name
@@ -140,7 +145,7 @@ def hard_threshold(
     )
     return exchanged.sparse, new_stats
 
-  return _feedback.error_feedback_transform(
+  return _feedback.stats_state_transform(
       axis_name=axis_name,
       initial_stats=lambda num_elements, num_workers: _feedback.unpartitioned_initial_stats(
           settings(num_elements)[0], num_elements, num_workers

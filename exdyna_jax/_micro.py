@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optax
 
-from exdyna_jax import _partition, _partitioned
+from exdyna_jax import _exdyna, _partition
 
 DEFAULT_CAPACITY_FACTOR = 1.5
 
@@ -46,8 +46,8 @@ def micro(
       threshold rule, exactly).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a
-    `ErrorFeedbackState` (partition starts and sizes counted in elements).
+    An ``optax.GradientTransformationExtraArgs`` whose state is an
+    `ExDynaState` (partition sizes counted in elements).
 
   References:
     Yoon & Oh, "MiCRO: Near-Zero Cost Gradient Sparsification for Scaling and
@@ -77,11 +77,11 @@ def micro(
     >>> bool(stats.imbalance[0] > 2), bool(stats.overflow[0] > 0)
     (True, True)
   """
-  return _partitioned.partitioned_sparsifier(
+  return _exdyna._partitioned_transform(
       density,
       axis_name=axis_name,
       capacity_factor=capacity_factor,
       controller=controller,
       geometry_fn=_partition.element_geometry,
-      rebalance=False,
+      partitioner="static",
   )

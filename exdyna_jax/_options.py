@@ -45,6 +45,19 @@ def capacity(capacity_factor: float, target: int, num_workers: int, num_elements
   return max(1, min(num_elements, math.ceil(capacity_factor * target / num_workers)))
 
 
+VALUE_SLACK = 1.1  # values summed per step, as a multiple of k, where the controller holds k
+
+
+def value_slots(target: int, capacity: int, num_workers: int) -> int:
+  """Values summed per step when the indices are packed first: ``ceil(1.1 k)``, at most ``n C``.
+
+  The threshold controller holds the indices transmitted at ``k``, so packing
+  the gathered indices into ``1.1 k`` slots before the value ``psum`` loses
+  almost nothing, whatever the imbalance between the workers' buffers.
+  """
+  return min(num_workers * capacity, math.ceil(VALUE_SLACK * target))
+
+
 def check_threshold(threshold: float) -> float:
   """Returns ``threshold`` as a float, or raises if it is not positive and finite."""
   if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):

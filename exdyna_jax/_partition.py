@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from exdyna_jax import _integer
 
-ROW = 32  # block sizes are multiples of this; also the compaction row width
+ROW = 32  # published block sizes are multiples of this; also the compaction row width
+REFERENCE_NUM_BLOCKS = 1024  # the published B
 IMBALANCE_HIGH = (105, 100)  # a partition is overloaded above 1.05 x mean
 IMBALANCE_LOW = (95238, 100000)  # ... and underloaded below 0.95238 x mean
 

@@ -23,19 +23,25 @@ class SparsifierStats(NamedTuple):
     step: int32 number of completed steps.
     threshold: float32 threshold used at the last step (before the first
       step: the one the first step will use).
-    selected: int32 ``K``, elements selected by all workers together before
-      the capacity limit (the controller's and the rebalancer's input).
-    transmitted: int32 distinct indices actually exchanged.
-    overflow: int32 elements that passed but did not fit the static buffers;
-      they stay in the residual. Equals ``selected - transmitted`` where the
-      workers' selections are disjoint (ExDyna, MiCRO).
-    workloads: int32 ``[n]`` elements selected in each partition (or by each
-      worker, for methods without partitions).
+    selected: int32 a diagnostic: elements that passed the threshold on all
+      workers together, before the capacity limit (1 for a worker that sent
+      only its fallback index). What was sent is ``transmitted``.
+    transmitted: int32 distinct indices actually exchanged: the density sent
+      is ``transmitted / N``, and ``transmitted / k`` is 1 when a method sends
+      what was asked for.
+    overflow: int32 elements that passed but were not exchanged (they did not
+      fit the static buffers); they stay in the residual. Equals
+      ``selected - transmitted`` where the workers' selections are disjoint
+      (ExDyna, MiCRO).
+    workloads: int32 ``[n]`` elements that passed in each partition (or on
+      each worker, for methods without partitions), before the capacity
+      limit.
     imbalance: float32 ``max(workloads) / mean(workloads)``.
-    partition_starts: int32 ``[n]`` first block of each partition (0 for
-      methods without partitions).
-    partition_sizes: int32 ``[n]`` blocks in each partition (``N`` elements
-      for methods without partitions: every worker scans the whole vector).
+    partition_starts: int32 ``[n]`` first block of each partition at the last
+      step (0 for methods without partitions).
+    partition_sizes: int32 ``[n]`` blocks in each partition at the last step
+      (elements for MiCRO; ``N`` elements for methods without partitions:
+      every worker scans the whole vector).
     bytes_sent: int32 bytes this worker sent in the last step's collectives,
       as ring algorithms move them (static: the buffers have fixed size),
       control counts included; it equals what the compiled program's
@@ -44,8 +50,7 @@ class SparsifierStats(NamedTuple):
       ``g``, summed over all workers. When it is nonzero every
       worker skipped that step: the update was zero and every other field,
       the residual included, kept its value from the step before. (The
-      int32 ``psum`` behind it is a control message that ``bytes_sent``
-      leaves out.)
+      int32 ``psum`` behind it is counted in ``bytes_sent``.)
     skipped_steps: int32 steps skipped so far because of non-finite
       gradients (they are not counted in ``step``).
 

@@ -12,31 +12,32 @@ this step. Two are provided:
 - ``"adaptive"`` (default) measures instead of guessing. Each worker counts,
   in one pass over its own partition, how many elements pass each of 17
   probe thresholds ``c * 2^x`` around the previous threshold ``c``, with
-  ``x`` in ``0, +-1/64, +-1/32, +-1/16, +-3/32, +-1/8, +-1/4, +-1/2, +-1``
-  octaves (`ADAPTIVE_PROBE_OCTAVES`); one ``psum`` of those 17 integers
-  gives the global count curve of *this* step's accumulated gradient, and
-  the threshold is where the curve, interpolated linearly in log-log between
-  the two probes around ``k``, meets ``k``. Outside the probed range it
-  extrapolates with the end slope, at most two octaves further, and
-  re-centres on the next step.
+  ``x`` in ``0, +-1/256, +-1/128, +-1/64, +-1/32, +-1/16, +-1/8, +-1/4, +-1``
+  octaves (`ADAPTIVE_PROBE_OCTAVES`), and its largest ``|a|``; one
+  ``all_gather`` of those 18 integers gives every worker every worker's
+  count curve of *this* step's accumulated gradient. Capping each worker's
+  count at its buffer gives the curve of indices that would be
+  *transmitted*, and the threshold is where it meets ``k``, interpolated
+  linearly in log-log between the two points around ``k``
+  (`solve_count_curve`). The largest magnitude is one more known point of
+  the curve (one element passes it), so a jump of the gradient scale by any
+  factor is found again in a few steps, and with nothing to select
+  (``largest == 0``) the threshold keeps its value instead of collapsing.
 
-The adaptive rule costs one extra collective per step (17 int32 per worker)
+The adaptive rule costs one extra collective per step (18 int32 per worker)
 and one read of the worker's partition, in place and chunk by chunk
 (`_exchange.count_in_range`), with all 17 counts packed into one reduction.
 The probes are dense next to ``c`` because error feedback piles magnitudes
 up just below a slowly moving threshold: late in training the count curve
-can halve within 1 % of ``c`` (log-log slopes of -50 were measured). On the
-digits MLP of ``benchmarks/density_control.py`` (600 steps, 8 workers), the
-median ``|K/k - 1|`` after step 20 is 0.24 % at ``k = 850``, 1.2 % at
-``k = 85`` and 0.9 % at ``k = 1,126`` (1.1M parameters, d = 0.001).
+can halve within 1 % of ``c`` (log-log slopes of -50 were measured).
 Probes evenly an eighth of an octave apart, with the segment slope clamped
-to ``ADAPTIVE_SLOPE_RANGE``, gave 0.9 %, 3.5 % and 13.7 %.
-A predictive variant that reused the previous step's counts (no extra round)
-was measured first, on the digits MLP of ``benchmarks/density_control.py``: it
-held only a 20 % median error, because error feedback makes the count at a
-fixed threshold swing with the previous step's selection. The released ExDyna
-code also spends a separate count all-gather per step, so the round count
-matches the reference implementation's.
+to ``ADAPTIVE_SLOPE_RANGE``, gave median errors 4x larger on the digits MLP
+of ``benchmarks/density_control.py``; a predictive variant that reused the
+previous step's counts (no extra round) held only a 20 % median error,
+because error feedback makes the count at a fixed threshold swing with the
+previous step's selection. The released ExDyna code also spends a separate
+count all-gather per step, so the round count matches the reference
+implementation's.
 
 References:
   Yoon & Oh, ExDyna, CCGrid 2024, arXiv:2402.13781, section IV-C.
@@ -53,25 +54,60 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from exdyna_jax import _integer
+from exdyna_jax import _exchange, _integer
 
 # Published rule: band edges as exact (numerator, denominator), and factors.
 REFERENCE_UPPER = (11, 10)
 REFERENCE_LOWER = (909, 1000)
 REFERENCE_FACTORS = (1.005, 1.00125, 0.995)
 
-# Probe offsets in octaves around the previous threshold: 1/64 of an octave
-# (1.1 %) apart next to it, where the threshold usually moves and where error
+# Probe offsets in octaves around the previous threshold: 1/256 of an octave
+# (0.27 %) apart next to it, where the threshold usually moves and where error
 # feedback piles magnitudes up (the count can halve within 1 %), wider out to
-# one octave for transients.
-_NEAR = (1 / 64, 1 / 32, 1 / 16, 3 / 32, 1 / 8, 1 / 4, 1 / 2, 1)
+# one octave; the largest magnitude (`ProbeCounts.largest`) covers transients.
+_NEAR = (1 / 256, 1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1)
 ADAPTIVE_PROBE_OCTAVES = tuple(sorted((0.0, *_NEAR, *(-x for x in _NEAR))))
 ADAPTIVE_PROBE_RATIOS = tuple(2.0**x for x in ADAPTIVE_PROBE_OCTAVES)
 ADAPTIVE_MAX_EXTRAPOLATION = 4.0  # at most two octaves beyond the probes
 ADAPTIVE_SLOPE_RANGE = (-20.0, -0.1)  # d log K / d log threshold, clamped
+CORRECTION_RATE = 0.3  # integral feedback on the target (`correct`)
+CORRECTION_STEP = 0.1  # at most this far in log space per step
+CORRECTION_RANGE = (0.5, 2.0)
 
-Measure = Callable[[jax.Array], jax.Array]
-"""``thresholds f32[P] -> global counts int32[P]`` of this step's gradient."""
+class ProbeCounts(NamedTuple):
+  """What the adaptive controller measures at a step (identical on every worker).
+
+  Attributes:
+    counts: int32 ``[n, P]`` elements of each worker's partition with
+      ``|a| >= thresholds[p]``.
+    largest: float32 the largest ``|a|`` in any worker's partition: the one
+      point of the count curve known without probing (one element passes
+      it, none passes above), so the controller can find the threshold
+      again after any jump of the gradient scale, and keeps its threshold
+      when there is nothing at all to select.
+  """
+
+  counts: jax.Array
+  largest: jax.Array
+
+
+class Budget(NamedTuple):
+  """What a step may send (static).
+
+  Attributes:
+    target: ``k``, the indices the user asked to transmit per step.
+    capacity: ``C``, index slots in each worker's buffer.
+    slots: ``M``, values summed per step (all ``n C`` buffer slots, or
+      fewer when the gathered indices are packed first).
+  """
+
+  target: int
+  capacity: int
+  slots: int
+
+
+Measure = Callable[[jax.Array], ProbeCounts]
+"""``thresholds f32[P] -> ProbeCounts`` of this step's accumulated gradients."""
 
 
 class ThresholdController(NamedTuple):
@@ -80,16 +116,22 @@ class ThresholdController(NamedTuple):
   Attributes:
     name: ``"reference"`` or ``"adaptive"``.
     initial_threshold: ``k -> threshold`` before the first step.
-    choose: ``(previous_threshold, previous_selected, target, step, measure)
-      -> threshold`` for this step; ``measure`` counts, over all workers, the
-      elements of this step's accumulated gradients passing given thresholds.
+    choose: ``(previous_threshold, previous_selected, budget, correction,
+      step, measure) -> (threshold, steady)`` for this step; ``measure``
+      counts, on every worker, the elements of this step's accumulated
+      gradient passing given thresholds, ``budget`` is the step's `Budget`
+      and ``correction`` the factor on ``k`` that `correct` learns from
+      ``steady`` steps (the reference rule ignores it and is never steady).
     num_probes: how many thresholds ``choose`` measures per step (the int32
-      counts it all-reduces).
+      counts it all-gathers, besides the largest magnitude).
   """
 
   name: str
   initial_threshold: Callable[[int], float]
-  choose: Callable[[jax.Array, jax.Array, int, jax.Array, Measure], jax.Array]
+  choose: Callable[
+      [jax.Array, jax.Array, Budget, jax.Array, jax.Array, Measure],
+      tuple[jax.Array, jax.Array],
+  ]
   num_probes: int
 
 
@@ -112,49 +154,139 @@ def reference_factor(selected: jax.Array, target: int) -> jax.Array:
   )
 
 
-def _reference_choose(previous, selected, target, step, measure):
-  del measure
-  return jnp.where(step == 0, previous, previous * reference_factor(selected, target))
+def _reference_choose(previous, selected, budget, correction, step, measure):
+  del correction, measure
+  threshold = jnp.where(step == 0, previous, previous * reference_factor(selected, budget.target))
+  return threshold, jnp.zeros((), bool)
 
 
-def solve_count_curve(thresholds: jax.Array, counts: jax.Array, target: int) -> jax.Array:
+def solve_count_curve(
+    thresholds: jax.Array,
+    counts: jax.Array,
+    target: int | jax.Array,
+    largest: jax.Array | None = None,
+    *,
+    return_inside: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Threshold at which a measured count curve reaches ``target``.
 
   Args:
     thresholds: float32 ``[P]`` ascending probe thresholds.
     counts: int32 ``[P]`` elements passing each (non-increasing).
     target: the wanted count ``k``.
+    largest: optional float32 largest magnitude, where the curve is known to
+      be 1: it joins the probes as one more point (so a curve whose probes
+      all lie above or all far below ``target`` is bracketed), and the result
+      never exceeds it. When every probe passes the same number of
+      elements, more than ``target`` (they all lie below the distribution),
+      the result is ``largest / ADAPTIVE_MAX_EXTRAPOLATION``.
+    return_inside: also return whether the result was interpolated between
+      two measured points (not extrapolated, not restarted).
 
   Returns:
-    float32 threshold: log-log linear interpolation between the two probes
+    float32 threshold: log-log linear interpolation between the two points
     around ``target`` (with that segment's own slope, however steep), or,
-    beyond the probed range, extrapolation with the end segment's slope
+    beyond the measured range, extrapolation with the end segment's slope
     clamped to ``ADAPTIVE_SLOPE_RANGE``, at most
-    ``ADAPTIVE_MAX_EXTRAPOLATION`` beyond the end probe.
+    ``ADAPTIVE_MAX_EXTRAPOLATION`` beyond the end point.
   """
+  probe_counts = counts
+  if largest is not None:
+    thresholds = jnp.concatenate([thresholds, jnp.reshape(largest, (1,)).astype(jnp.float32)])
+    counts = jnp.concatenate([counts, jnp.ones((1,), counts.dtype)])
+    order = jnp.argsort(thresholds)
+    thresholds, counts = thresholds[order], counts[order]
   log_thresholds = jnp.log(thresholds)
   log_counts = jnp.log(jnp.maximum(counts.astype(jnp.float32), 0.5))
   log_target = jnp.log(jnp.float32(target))
-  # Segment j joins probes j and j+1; counts fall as thresholds rise.
+  # Segment j joins points j and j+1; counts fall as thresholds rise.
   segment = jnp.sum(log_counts[1:-1] > log_target).astype(jnp.int32)
   rise = log_counts[segment + 1] - log_counts[segment]
   run = log_thresholds[segment + 1] - log_thresholds[segment]
-  below = log_target - log_counts[segment]  # <= 0 inside the probed range
+  below = log_target - log_counts[segment]  # <= 0 inside the measured range
   inside = (below <= 0) & (log_target >= log_counts[segment + 1])
   # Inside a segment its own slope, however steep (the result stays between
-  # its probes); beyond the ends the end slope, clamped.
-  slope = jnp.where(inside, rise / run, jnp.clip(rise / run, *ADAPTIVE_SLOPE_RANGE))
+  # its points); beyond the ends the end slope, clamped.
+  slope = jnp.where(run > 0, rise / jnp.where(run > 0, run, 1.0), 0.0)
+  slope = jnp.where(inside, slope, jnp.clip(slope, *ADAPTIVE_SLOPE_RANGE))
   step = jnp.where(inside & (rise == 0), 0.0, below / jnp.where(slope == 0, -1.0, slope))
   log_threshold = log_thresholds[segment] + step
   reach = math.log(ADAPTIVE_MAX_EXTRAPOLATION)
   log_threshold = jnp.clip(log_threshold, log_thresholds[0] - reach, log_thresholds[-1] + reach)
-  return jnp.exp(log_threshold).astype(jnp.float32)
+  if largest is not None:
+    log_threshold = jnp.minimum(log_threshold, jnp.log(largest))
+    # Every probe passes the same elements, more than wanted: the probes lie
+    # below the whole distribution and say nothing of its shape. Restart a
+    # factor ADAPTIVE_MAX_EXTRAPOLATION below the largest magnitude (as a
+    # curve whose probes all lie above it does) instead of creeping up.
+    saturated = (probe_counts[0] == probe_counts[-1]) & (probe_counts[-1] > target)
+    log_threshold = jnp.where(saturated, jnp.log(largest) - reach, log_threshold)
+    inside = inside & ~saturated
+  threshold = jnp.exp(log_threshold).astype(jnp.float32)
+  return (threshold, inside) if return_inside else threshold
 
 
-def _adaptive_choose(previous, selected, target, step, measure):
+def _adaptive_choose(previous, selected, budget, correction, step, measure):
+  """Steers the indices *transmitted* to ``k``, never selecting more than can be sent.
+
+  Each worker's buffer takes ``min(count, C)`` of what passes in its
+  partition and the values summed take at most ``M`` of those; the threshold
+  is where that many transmitted indices meets ``k`` times ``correction``
+  (see `correct`). It is never so low that more than ``min(n C, M)``
+  elements pass in all (a capacity below ``k`` then caps the density,
+  instead of the threshold falling without end). With nothing to select
+  anywhere (``largest == 0``) the threshold stays where it is.
+
+  Returns:
+    ``(threshold, steady)``: ``steady`` when the threshold was interpolated
+    between measured points of the transmitted curve (no transient), the
+    steps `correct` learns from.
+  """
   del selected, step
   thresholds = previous * jnp.asarray(ADAPTIVE_PROBE_RATIOS, jnp.float32)
-  return solve_count_curve(thresholds, measure(thresholds), target)
+  probe = measure(thresholds)
+  num_workers = probe.counts.shape[0]
+  sendable = min(num_workers * budget.capacity, budget.slots)
+  transmitted = jnp.minimum(jnp.sum(jnp.minimum(probe.counts, budget.capacity), axis=0), sendable)
+  passed = jnp.sum(probe.counts, axis=0)
+  steered, inside = solve_count_curve(
+      thresholds, transmitted, budget.target * correction, probe.largest, return_inside=True
+  )
+  capped = solve_count_curve(thresholds, passed, sendable, probe.largest)
+  threshold = jnp.maximum(steered, capped)
+  something = probe.largest > 0
+  threshold = jnp.where(something, threshold, previous)
+  threshold = jnp.clip(threshold, jnp.finfo(jnp.float32).tiny, jnp.finfo(jnp.float32).max)
+  return threshold, inside & (steered >= capped) & something
+
+
+def correct(
+    correction: jax.Array, transmitted: jax.Array, target: int, steady: jax.Array
+) -> jax.Array:
+  """The adaptive controller's target factor after a step: integral feedback.
+
+  Interpolating the count curve between probes is biased where error
+  feedback piles magnitudes up just below the previous threshold (a cliff
+  inside a segment): with probes 1/64 of an octave apart, the realized count
+  ran 12 % above the interpolated one late in training on the
+  1.1M-parameter MLP of ``benchmarks/density_control.py``. On steady steps the factor moves by
+  ``CORRECTION_RATE * log(k / transmitted)`` in log space (at most
+  ``CORRECTION_STEP``, within ``CORRECTION_RANGE``), so a persistent bias is
+  removed in a few steps; transients leave it alone.
+
+  Args:
+    correction: float32 the factor the step aimed at (``k * correction``).
+    transmitted: int32 indices the step transmitted.
+    target: ``k``.
+    steady: bool, whether the step's threshold was interpolated.
+
+  Returns:
+    The float32 factor for the next step.
+  """
+  error = jnp.log(jnp.float32(target)) - jnp.log(jnp.maximum(transmitted, 1).astype(jnp.float32))
+  moved = jnp.log(correction) + jnp.clip(CORRECTION_RATE * error, -CORRECTION_STEP, CORRECTION_STEP)
+  low, high = (math.log(x) for x in CORRECTION_RANGE)
+  return jnp.where(steady, jnp.exp(jnp.clip(moved, low, high)), correction).astype(jnp.float32)
 
 
 CONTROLLERS = {
@@ -163,6 +295,19 @@ CONTROLLERS = {
         "adaptive", hard_threshold_rule, _adaptive_choose, len(ADAPTIVE_PROBE_RATIOS)
     ),
 }
+
+
+def control_bytes(controller: ThresholdController, num_workers: int) -> int:
+  """Bytes one worker sends per step for ``controller``'s measurement.
+
+  The adaptive controller all-gathers its ``P`` probe counts and its largest
+  magnitude (``P + 1`` int32); the reference rule sends nothing.
+  """
+  if not controller.num_probes:
+    return 0
+  return _exchange.ring_all_gather_bytes(
+      num_workers, (controller.num_probes + 1) * _exchange.INDEX_BYTES
+  )
 
 
 def get_controller(name: str) -> ThresholdController:

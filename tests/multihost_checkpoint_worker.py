@@ -158,8 +158,8 @@ def main(argv=None) -> int:
     leaves["checkpoint_w"] = np.asarray(saved_params["w"])
     leaves["checkpoint_residual"] = np.asarray(optax.tree.get(saved_state, "residual"))
     leaves["checkpoint_momentum_w"] = np.asarray(optax.tree.get(saved_state, "trace")["w"])
-    leaves["checkpoint_partition_sizes"] = np.asarray(
-        exdyna_jax.get_stats(saved_state).partition_sizes
+    leaves["checkpoint_block_workloads"] = np.asarray(
+        optax.tree.get(saved_state, "block_workloads")
     )
     leaves["final_w"] = np.asarray(final[0]["w"])
     stats = jax.tree.map(lambda *v: np.stack(v), *stats_log)

@@ -100,8 +100,8 @@ def test_partitions_cover_all_blocks_and_respect_the_minimum(adaptive_run):
   _, _, _, states, _ = adaptive_run
   stats = jax.tree.map(lambda x: np.asarray(x)[0], states.stats)
   sizes, starts = stats.partition_sizes, stats.partition_starts
-  np.testing.assert_array_equal(sizes.sum(axis=-1), BLOCKS)
-  assert (4 * N_WORKERS * sizes >= BLOCKS).all()
+  np.testing.assert_array_equal(sizes.sum(axis=-1), BLOCKS)  # 66,650 = 63 x 1,042 + 1,004
+  assert (sizes >= 1).all()
   np.testing.assert_array_equal(starts[:, 0], 0)
   np.testing.assert_array_equal(starts[:, 1:], np.cumsum(sizes, axis=-1)[:, :-1])
   assert (sizes != sizes[:1]).any(), "uneven gradients should move partition boundaries"
@@ -331,14 +331,14 @@ def test_unknown_controller_is_rejected():
     exdyna_jax.exdyna(0.01, controller="pid")
 
 
-def test_too_few_blocks_for_the_workers_names_the_minimum():
-  tx = exdyna_jax.exdyna(0.01, num_blocks=8)
+def test_too_few_blocks_for_the_published_rule_names_the_minimum():
+  tx = exdyna_jax.exdyna(0.01, num_blocks=8, partitioner="reference")
   with pytest.raises(ValueError, match=r"Pass num_blocks >= 16"):
     _init_in_vmap(tx, mixed_params())
 
 
-def test_model_smaller_than_the_blocks_names_the_fix():
-  tx = exdyna_jax.exdyna(0.1, num_blocks=1024)
+def test_model_smaller_than_the_published_blocks_names_the_fix():
+  tx = exdyna_jax.exdyna(0.1, num_blocks=1024, partitioner="reference")
   with pytest.raises(ValueError, match=r"too few for num_blocks=1024.*Pass num_blocks <= 31"):
     _init_in_vmap(tx, {"w": jnp.zeros((1000,))})
 

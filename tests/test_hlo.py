@@ -24,8 +24,8 @@ def test_a_full_reduction_reads_the_vector():
   assert traffic(lambda x: jnp.sum(jnp.abs(x)), jnp.ones(N)) == 4 * N
 
 
-def test_row_counts_of_a_window_read_the_window():
-  """As `select_window` scans: the slice is fused into the reduction."""
+def test_row_counts_of_a_slice_read_the_slice():
+  """As `select_in_range` scans a chunk: the slice is fused into the reduction."""
 
   def window_row_counts(x, offset):
     window = jax.lax.dynamic_slice(x, (offset,), (W,))

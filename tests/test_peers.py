@@ -261,4 +261,5 @@ def test_micro_stays_imbalanced_where_exdyna_rebalances():
   )
   assert np.median(micro[-100:]) > 2.0
   assert np.median(exdyna[-100:]) < 1.2
-  assert np.median(exdyna[:50]) > 2.0  # it starts as imbalanced as MiCRO
+  # Re-cut from the measured workload every step, it is balanced from the start.
+  assert np.median(exdyna[:50]) < 1.5 < np.median(micro[:50])

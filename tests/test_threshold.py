@@ -16,7 +16,14 @@ import pytest
 from exdyna_jax import _exchange, _threshold
 
 
-def numpy_solve(thresholds, counts, target):
+def numpy_solve(thresholds, counts, target, largest=None):
+  """The rule in float64; ``largest`` adds the point (largest, 1) and caps the result."""
+  if largest is not None:
+    if counts[0] == counts[-1] > target:  # every probe below the distribution
+      return largest / _threshold.ADAPTIVE_MAX_EXTRAPOLATION
+    points = sorted([*zip(thresholds, counts, strict=True), (largest, 1)])
+    thresholds, counts = [p[0] for p in points], [p[1] for p in points]
+    return min(numpy_solve(thresholds, counts, target), largest)
   log_t = np.log(np.asarray(thresholds, np.float64))
   log_c = np.log(np.maximum(np.asarray(counts, np.float64), 0.5))
   log_k = np.log(target)
@@ -50,7 +57,7 @@ def test_probes_are_dense_next_to_the_previous_threshold_and_span_two_octaves():
   octaves = np.asarray(_threshold.ADAPTIVE_PROBE_OCTAVES)
   assert len(octaves) == 17 and np.all(np.diff(octaves) > 0)
   assert octaves[0] == -1 and octaves[-1] == 1 and 0 in octaves
-  assert np.min(np.abs(np.diff(octaves))) == pytest.approx(1 / 64)
+  assert np.min(np.abs(np.diff(octaves))) == pytest.approx(1 / 256)
 
 
 def test_a_power_law_curve_is_inverted_exactly():
@@ -70,6 +77,41 @@ def test_matches_the_numpy_rule_on_a_measured_cliff(target):
   assert solve(thresholds, counts, target) == pytest.approx(
       numpy_solve(thresholds, counts, target), rel=1e-5
   )
+
+
+@pytest.mark.parametrize(
+    ("counts", "largest"),
+    [
+        ([0] * 17, 0.003),  # every probe above the largest magnitude: restart below it
+        ([50_000] * 17, 40.0),  # every probe below the distribution: restart at largest / 4
+        ([50_000] * 9 + [40_000, 30_000, 20_000] + [10_000] * 5, 40.0),  # bracketed by largest
+        ([900, 800, 700, 600, 500, 400, 300, 200, 100, 90, 80, 70, 60, 50, 40, 30, 20], 0.05),
+    ],
+)
+def test_the_largest_magnitude_brackets_a_curve_the_probes_miss(counts, largest):
+  thresholds = probes()
+  got = float(
+      _threshold.solve_count_curve(
+          np.asarray(thresholds, np.float32), np.asarray(counts, np.int32), 1000,
+          np.float32(largest),
+      )
+  )
+  assert got == pytest.approx(numpy_solve(list(thresholds), counts, 1000, largest), rel=1e-5)
+  assert got <= largest
+
+
+def test_the_correction_learns_a_persistent_bias_only_on_steady_steps():
+  correction = np.float32(1.0)
+  for _ in range(30):  # the curve is biased: aiming at k c transmits 1.1 k c
+    sent = np.int32(round(1.1 * 1000 * float(correction)))
+    correction = _threshold.correct(correction, sent, 1000, np.bool_(True))
+  assert float(correction) == pytest.approx(1 / 1.1, rel=0.01)
+  unchanged = _threshold.correct(correction, np.int32(5), 1000, np.bool_(False))
+  assert float(unchanged) == float(correction)
+  high = _threshold.CORRECTION_RANGE[1]
+  for _ in range(30):  # a transient never winds it past its range
+    correction = _threshold.correct(correction, np.int32(1), 1000, np.bool_(True))
+  assert float(correction) == pytest.approx(high)
 
 
 def test_inside_a_segment_the_result_stays_between_its_probes():
@@ -117,10 +159,13 @@ def test_probe_counts_match_numpy_chunk_by_chunk(num_elements, chunk, begin, end
   values = (rng.standard_t(3.0, num_elements) * 0.01).astype(np.float32)
   values[[3, 500, 998]] = [np.nan, np.inf, -np.inf]
   thresholds = probes(0.01)
-  counts = jax.jit(
+  counts, largest = jax.jit(
       lambda v, b, e, t: _exchange.count_in_range(v, b, e, t, chunk=chunk)
   )(values, np.int32(begin), np.int32(end), thresholds)
   np.testing.assert_array_equal(np.asarray(counts), numpy_count(values, begin, end, thresholds))
+  magnitudes = np.abs(values[begin:end])
+  expected = np.max(magnitudes[~np.isnan(magnitudes)], initial=0.0)  # inf counts, NaN does not
+  assert float(largest) == expected
 
 
 def test_chunks_are_an_eighth_of_a_fair_share_within_bounds():

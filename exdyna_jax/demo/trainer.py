@@ -200,17 +200,17 @@ class MethodRun:
 
 def _record(step, seconds, losses, stats, num_elements, target) -> dict[str, Any]:
   worker0 = jax.tree.map(lambda x: np.asarray(x)[0], stats)
-  selected = int(worker0.selected)
+  transmitted = int(worker0.transmitted)
   return {
       "step": step,
       "loss": float(np.mean(losses)),
       "step_time_s": seconds,
       "threshold": float(worker0.threshold),
-      "selected": selected,
-      "transmitted": int(worker0.transmitted),
+      "selected": int(worker0.selected),
+      "transmitted": transmitted,
       "overflow": int(worker0.overflow),
-      "density": int(worker0.transmitted) / num_elements,
-      "k_error": abs(selected / target - 1.0),
+      "density": transmitted / num_elements,
+      "sent_over_k": transmitted / target,
       "imbalance": float(worker0.imbalance),
       "bytes_sent": int(worker0.bytes_sent),
       "partition_starts": worker0.partition_starts.tolist(),
@@ -227,9 +227,11 @@ def train_method(
 
   Each record holds ``step`` (1-based), ``loss`` (mean over workers of their
   batch loss), ``step_time_s`` (wall time, blocked), the sparsifier's stats
-  (``threshold``, ``selected`` K, ``transmitted``, ``overflow``,
-  ``imbalance``, ``bytes_sent``, ``partition_starts``, ``partition_sizes``),
-  the achieved ``density`` (transmitted / N) and ``k_error`` (|K/k - 1|);
+  (``threshold``, ``transmitted``, ``overflow``, ``selected`` (a diagnostic:
+  what passed the threshold before the capacity limit), ``imbalance``,
+  ``bytes_sent``, ``partition_starts``, ``partition_sizes``), the achieved
+  ``density`` (transmitted / N) and ``sent_over_k`` (transmitted / k: what
+  the user asked for is 1);
   every ``eval_every`` steps and at the end also the `Task.evaluate` metrics.
 
   Args:
