@@ -5,7 +5,7 @@ Run: python benchmarks/collectives.py [--quick] [--traffic FILE] [--out FILE]
 1. Times ``psum`` (all-reduce), ``all_gather`` and ``ppermute``
    (collective-permute) of float32 buffers (op results from 4 KB to 64 MB) on
    ``n`` forced CPU devices, and fits ``t = alpha + ring_bytes / beta`` per
-   op kind (least squares on relative error), ``ring_bytes`` from `_hlo`.
+   op kind (least squares on relative error), ``ring_bytes`` from `exdyna_jax.demo.hlo`.
 2. Replays each method's collectives, exactly as counted in the compiled step
    (``traffic.json``, ``N = 11.2M``, ``n = 8``), in one program of the same
    ops and shapes chained one after the other, times it, and compares with
@@ -27,7 +27,7 @@ import time
 
 import _common
 
-from exdyna_jax import _hlo
+from exdyna_jax.demo import hlo
 
 _common.force_devices(8)
 
@@ -129,7 +129,7 @@ def main():
         continue
       op = {"kind": kind, "result_bytes": result, "group": n, "pairs": n, "shapes": []}
       seconds = replay([op], n, repeats)
-      ring = _hlo.ring_cost(op, n)["bytes"]
+      ring = hlo.ring_cost(op, n)["bytes"]
       points.append((ring, seconds))
       samples.append({"kind": kind, "result_bytes": result, "ring_bytes": ring, "seconds": seconds})
       _common.log(f"[collectives {clock():4.0f}s] {kind} {result:>10} B  {seconds * 1e3:.3f} ms")

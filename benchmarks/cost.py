@@ -132,7 +132,7 @@ def _patched(patch: str | None):
   its ``k``-th magnitude as the minimum of the ``k`` selected ones, which
   keeps XLA's TopK kernel. Library files are not modified.
   """
-  from exdyna_jax import _exchange, _feedback
+  from exdyna_jax import _feedback, _selection
 
   saved = {}
   if patch == "no_guard":
@@ -153,7 +153,7 @@ def _patched(patch: str | None):
       magnitudes, indices = jax.lax.top_k(jnp.abs(accumulated), k)
       return indices.astype(jnp.int32), jnp.min(magnitudes)
 
-    saved = {(_exchange, "select_top_k"): select_top_k}
+    saved = {(_selection, "select_top_k"): select_top_k}
   elif patch is not None:
     raise ValueError(f"unknown patch {patch!r}")
   originals = {key: getattr(*key) for key in saved}

@@ -23,7 +23,7 @@ Writes ``results/gpu.json`` (``device``, ``exdyna_over_floor`` and
 ``topk_over_exdyna`` at N = 25M, d = 0.001, and the full table) unless
 ``--out`` says otherwise. ``--quick`` runs small sizes (for CPU and tests).
 
-Run: python benchmarks/gpu.py [--quick] [--out FILE] [--repeats 20]
+Run: python benchmarks/gpu.py [--quick] [--out FILE] [--repeats 20] [--methods a,b,...]
 """
 
 from __future__ import annotations
@@ -127,7 +127,14 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true", help="small sizes, for CPU and tests")
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--out", default=None, help="JSON (default: results/gpu.json)")
+  parser.add_argument("--methods", default=",".join(METHODS),
+                      help="comma-separated subset (exdyna, topk_ef and floor give the ratios)")
   args = parser.parse_args(argv)
+  methods = args.methods.split(",")
+  unknown = set(methods) - set(METHODS) or {"exdyna", "topk_ef", "floor"} - set(methods)
+  if unknown:
+    parser.error(f"--methods: {sorted(unknown)} unknown or missing; choose from {METHODS}, "
+                 "with exdyna, topk_ef and floor")
   grid = QUICK_GRID if args.quick else FULL_GRID
   device = jax.devices()[0]
   rows = []
@@ -137,7 +144,7 @@ def main(argv=None):
     row = {"elements": num_elements, "density": density, "workers": WORKERS,
            "copy_bandwidth_bytes_per_second": bandwidth,
            "floor_bandwidth_seconds": 16 * num_elements / bandwidth}
-    for name in METHODS:
+    for name in methods:
       row[name] = time_method(name, num_elements, density, grads, args.repeats)
       print(f"N={num_elements:,} d={density} {name}: {1e3 * row[name]['seconds']:.3f} ms",
             file=sys.stderr, flush=True)

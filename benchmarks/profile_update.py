@@ -27,11 +27,10 @@ import sys
 
 import _common
 import cost
+import hlo_memory
 import jax
 import jax.numpy as jnp
 from jax import P
-
-from exdyna_jax import _hlo
 
 AXIS = _common.AXIS
 
@@ -58,7 +57,7 @@ def static_profile(num_elements: int, n: int, density: float) -> dict:
   vector = 4 * num_elements
   out = {}
   for name, text in programs.items():
-    traffic = _hlo.memory_traffic(text, vector // (2 * n))
+    traffic = hlo_memory.memory_traffic(text, vector // (2 * n))
     out[name] = {
       "vectors": traffic["bytes"] / vector,
       "ops": [

@@ -695,7 +695,7 @@ def profile_section(rep: Report, profile: dict | None, cost: dict | None) -> Non
     "worker's partition (about 1/n of a vector), is below the size cut and not listed. "
     "`patch=no_guard`: the non-finite guard's two functions "
     "(`_feedback.count_nonfinite`, `skip_if_nonfinite`) swapped out while tracing, "
-    "library files untouched; `patch=kth_min`: `_exchange.select_top_k` reads the k-th "
+    "library files untouched; `patch=kth_min`: `_selection.select_top_k` reads the k-th "
     "magnitude as a minimum.\n\n" + _table(["program", "N-vectors moved per step"], rows)
   )
   ex = static.get("exdyna")

@@ -7,7 +7,7 @@ For every registered method, density and worker count ``n``, the real step
 elements per worker, state donated, as in training) is lowered and compiled
 for ``n`` forced CPU devices -- nothing runs, so ``n`` can go to 1024. Every
 collective in the compiled HLO is listed with its shapes and converted to
-bytes sent per worker and messages with the ring model of `_hlo` (bytes
+bytes sent per worker and messages with the ring model of `exdyna_jax.demo.hlo` (bytes
 received are equal). Dense ring all-reduce of ``N`` float32 is the reference:
 ``2 (n-1)/n * 4N``.
 
@@ -26,7 +26,7 @@ import time
 
 import _common
 
-from exdyna_jax import _hlo
+from exdyna_jax.demo import hlo
 
 _common.force_devices(1024)
 
@@ -59,15 +59,15 @@ def measure_one(name: str, density: float, num_workers: int, num_elements: int) 
   start = time.perf_counter()
   compiled = step_fn.lower(grads, state, params).compile()
   seconds = time.perf_counter() - start
-  ops = _hlo.collectives(compiled.as_text(), num_workers)
+  ops = hlo.collectives(compiled.as_text(), num_workers)
   result = {
     "method": name,
     "density": density,
     "workers": num_workers,
     "elements": num_elements,
     "compile_seconds": seconds,
-    "ops": [{**op, **_hlo.ring_cost(op, num_workers)} for op in ops],
-    **_hlo.totals(ops, num_workers),
+    "ops": [{**op, **hlo.ring_cost(op, num_workers)} for op in ops],
+    **hlo.totals(ops, num_workers),
   }
   if num_workers == 8:
     memory = compiled.memory_analysis()

@@ -97,6 +97,7 @@ def main():
   for t in range(args.steps):
     idx = rng.integers(0, len(x_train), n * args.batch_per_worker)
     params, opt_state, loss = step(params, opt_state, x_train[idx], y_train[idx])
+    jax.block_until_ready(loss)  # CPU devices in one process: block every step (docs/multihost.md)
     if t % 50 == 0 or t == args.steps - 1:
       stats = exdyna_jax.get_stats(opt_state)
       print(

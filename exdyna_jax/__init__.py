@@ -8,6 +8,7 @@ from exdyna_jax._hard_threshold import hard_threshold
 from exdyna_jax._hierarchical import hierarchical
 from exdyna_jax._micro import micro
 from exdyna_jax._registry import available_sparsifiers, get_sparsifier
+from exdyna_jax._resize import resize_workers
 from exdyna_jax._sharding import DataParallel, data_parallel
 from exdyna_jax._spardl import SparDLRounds, SparDLState, spardl
 from exdyna_jax._stats import SparsifierStats, get_stats
@@ -31,6 +32,7 @@ __all__ = [
     "hard_threshold",
     "hierarchical",
     "micro",
+    "resize_workers",
     "spardl",
     "topk",
 ]

@@ -25,7 +25,7 @@ At the start of step ``t`` partition ``p`` gets the blocks around the
 quantiles of the cumulative estimate that give its owner an expected
 ``k / n`` selections, with at least one block. Partitions of any length are
 allowed: the selection reads its partition chunk by chunk
-(`exdyna_jax._exchange.select_in_range`), so its cost follows the
+(`exdyna_jax._selection.select_in_range`), so its cost follows the
 partition's length, and the lengths add up to ``N``.
 
 Blocks: ``s = ceil(N / B)`` elements each, the last one shorter, so no large

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax import _exchange, _feedback, _stats
+from exdyna_jax import _collectives, _exchange, _feedback, _selection, _stats
 
 
 def cltk(density: float, *, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
@@ -29,13 +29,7 @@ def cltk(density: float, *, axis_name: str = "data") -> optax.GradientTransforma
   integer on the index all-reduce); ``stats.workloads`` is ``k`` for the
   leader and 0 for the others.
 
-  The calling convention is that of `exdyna`: ``init`` and ``update`` run per
-  worker inside ``jax.shard_map``, ``jax.pmap`` or ``jax.vmap(axis_name=)``,
-  on the worker's local, unreduced gradient, first in an ``optax.chain``.
-
-  Non-finite gradients are handled as in `exdyna`: if any worker's gradient
-  holds a NaN or an infinity, every worker skips the step (zero update,
-  state unchanged) and ``stats.nonfinite`` / ``stats.skipped_steps`` count it.
+  Calling convention: :doc:`/usage`; non-finite gradients: :doc:`/bad_inputs`.
 
   Args:
     density: fraction ``d`` of gradient elements to send, in ``(0, 1]``.
@@ -78,28 +72,28 @@ def cltk(density: float, *, axis_name: str = "data") -> optax.GradientTransforma
     leader = stats.step % num_workers
 
     def lead(accumulated):
-      indices, kth = _exchange.select_top_k(accumulated, k)
-      return jnp.concatenate([indices, _exchange.float_bits(kth)[None]])
+      indices, kth = _selection.select_top_k(accumulated, k)
+      return jnp.concatenate([indices, _collectives.float_bits(kth)[None]])
 
     def follow(accumulated):
       del accumulated
-      return _exchange.per_worker(jnp.zeros((k + 1,), jnp.int32), axis_name)
+      return _collectives.per_worker(jnp.zeros((k + 1,), jnp.int32), axis_name)
 
     mine = jax.lax.cond(jax.lax.axis_index(axis_name) == leader, lead, follow, accumulated)
-    chosen = _exchange.broadcast_from(mine, leader, axis_name)
+    chosen = _collectives.broadcast_from(mine, leader, axis_name)
     sparse = _exchange.aggregate_at(accumulated, chosen[:k], axis_name)
-    index_bytes = (k + 1) * _exchange.INDEX_BYTES
-    value_bytes = k * _exchange.VALUE_BYTES
+    index_bytes = (k + 1) * _collectives.INDEX_BYTES
+    value_bytes = k * _collectives.VALUE_BYTES
     new_stats = _stats.unpartitioned_stats(
         step=stats.step + 1,
-        threshold=_exchange.bits_float(chosen[k]),
+        threshold=_collectives.bits_float(chosen[k]),
         selected=jnp.int32(k),
         transmitted=jnp.int32(k),
         overflow=jnp.zeros((), jnp.int32),
         workloads=jnp.where(jnp.arange(num_workers) == leader, k, 0).astype(jnp.int32),
         num_elements=num_elements,
-        bytes_sent=_exchange.ring_all_reduce_bytes(num_workers, index_bytes)
-        + _exchange.ring_all_reduce_bytes(num_workers, value_bytes),
+        bytes_sent=_collectives.ring_all_reduce_bytes(num_workers, index_bytes)
+        + _collectives.ring_all_reduce_bytes(num_workers, value_bytes),
     )
     return sparse, new_stats
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax import _exchange, _feedback, _layout, _stats
+from exdyna_jax import _collectives, _feedback, _layout, _stats
 
 
 class DenseState(NamedTuple):
@@ -36,13 +36,7 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
   elements as selected and transmitted by every worker, a threshold of 0, and
   the bytes of a ring all-reduce of ``N`` float32 values.
 
-  The calling convention is that of `exdyna`: ``init`` and ``update`` run per
-  worker inside ``jax.shard_map``, ``jax.pmap`` or ``jax.vmap(axis_name=)``,
-  on the worker's local, unreduced gradient, first in an ``optax.chain``.
-
-  Non-finite gradients are handled as in `exdyna`: if any worker's gradient
-  holds a NaN or an infinity, every worker skips the step (zero update,
-  state unchanged) and ``stats.nonfinite`` / ``stats.skipped_steps`` count it.
+  Calling convention: :doc:`/usage`; non-finite gradients: :doc:`/bad_inputs`.
 
   Args:
     axis_name: name of the data-parallel axis.
@@ -69,7 +63,7 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
 
   def init_fn(params: Any) -> DenseState:
     layout = _layout.layout_of(params, what="params")
-    num_workers = _exchange.axis_size(axis_name)
+    num_workers = _collectives.axis_size(axis_name)
     return DenseState(
         _stats.initial_stats(0.0, *_stats.whole_vector(num_workers, layout.num_elements))
     )
@@ -91,8 +85,8 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
         overflow=jnp.zeros((), jnp.int32),
         workloads=jnp.full((num_workers,), layout.num_elements, jnp.int32),
         num_elements=layout.num_elements,
-        bytes_sent=_exchange.ring_all_reduce_bytes(
-            num_workers, layout.num_elements * _exchange.VALUE_BYTES
+        bytes_sent=_collectives.ring_all_reduce_bytes(
+            num_workers, layout.num_elements * _collectives.VALUE_BYTES
         ),
     )
     mean, stats = _feedback.skip_if_nonfinite(

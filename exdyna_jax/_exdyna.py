@@ -19,8 +19,6 @@ The step, top to bottom (`_partitioned_transform`, shared with MiCRO):
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -28,18 +26,18 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax import _balance, _exchange, _feedback, _options, _partition, _stats, _threshold
+from exdyna_jax import (
+  _balance,
+  _exchange,
+  _feedback,
+  _options,
+  _partition,
+  _selection,
+  _stats,
+  _threshold,
+)
 
 PARTITIONERS = ("balanced", "reference")
-# Default index slots per worker, C = (BURST + NOISE / sqrt(k / n)) k / n: a
-# partition's count swings by about +-35 % from step to step even when its
-# expected share is exact (layer-wise gradient bursts, measured on MLPs and a
-# transformer), plus counting noise of sqrt(k / n). This keeps overflow
-# within 1 % of k on the benchmark models (benchmarks/density_control.py).
-CAPACITY_BURST = 2.3
-CAPACITY_NOISE = 4.0
-REFERENCE_CAPACITY_FACTOR = 1.5  # with the published exchange (every slot's value summed)
-
 
 class ExDynaState(NamedTuple):
   """Optimizer state of `exdyna` and `micro` (per worker).
@@ -133,9 +131,7 @@ def exdyna(
   every worker expects ``k / n`` selections; the threshold is steered so
   that ``k = floor(density * N)`` indices are *transmitted* per step.
 
-  See :doc:`/usage` for the calling convention (per worker, local gradients,
-  first in the chain) and :doc:`/bad_inputs` for non-finite gradients (every
-  worker skips the step together).
+  Calling convention: :doc:`/usage`; non-finite gradients: :doc:`/bad_inputs`.
 
   Args:
     density: fraction of gradient elements to send per step, in ``(0, 1]``.
@@ -145,7 +141,7 @@ def exdyna(
       small model); for the reference one the published 1024.
     capacity_factor: per-worker index buffer size ``C`` as a multiple of
       ``k / n``; elements past it stay in the residual and are counted as
-      overflow. None (default): ``2 + 4 / sqrt(k / n)`` with the adaptive
+      overflow. None (default): ``2.3 + 4 / sqrt(k / n)`` with the adaptive
       controller (room for a partition's step-to-step swings, about +-35 %
       on real models, and for counting noise), 1.5 with the reference one.
       Index slots are sent whether used or not; with the adaptive controller
@@ -204,11 +200,7 @@ def exdyna(
     >>> int(sizes.sum()), bool(sizes[0] > 16 > sizes[-1])
     (128, True)
   """
-  if num_blocks is not None and (
-      isinstance(num_blocks, bool) or not isinstance(num_blocks, numbers.Integral)
-      or num_blocks < 1
-  ):
-    raise ValueError(f"num_blocks must be a positive int or None, got {num_blocks!r}.")
+  blocks = _options.check_num_blocks(num_blocks)
   if partitioner is None:
     partitioner = "reference" if controller == "reference" else "balanced"
   if partitioner not in PARTITIONERS:
@@ -216,7 +208,6 @@ def exdyna(
         f"Unknown partitioner {partitioner!r}; expected 'balanced' (default: re-cut every "
         "step from the measured workload) or 'reference' (the published neighbour rule)."
     )
-  blocks = None if num_blocks is None else int(num_blocks)
   if partitioner == "balanced":
     geometry_fn = lambda n_elements, n_workers: _balance.balanced_geometry(  # noqa: E731
         n_elements, n_workers, blocks
@@ -250,7 +241,7 @@ def _partitioned_transform(
     density: fraction ``d`` of elements to send per step.
     axis_name: the data-parallel axis.
     capacity_factor: per-worker buffer size as a multiple of ``k / n``, or
-      None for `default_capacity_factor`.
+      None for `_options.default_capacity_factor`.
     controller: ``"adaptive"`` or ``"reference"``.
     geometry_fn: ``(N, n) -> BlockGeometry`` (validates and raises).
     partitioner: ``"balanced"``, ``"reference"`` (the published neighbour
@@ -293,7 +284,7 @@ def _partitioned_transform(
     target = _options.target_count(density, num_elements)
     factor = capacity_factor
     if factor is None:
-      factor = default_capacity_factor(target, num_workers, controller)
+      factor = _options.default_capacity_factor(target, num_workers, controller)
     capacity = _options.capacity(factor, target, num_workers, num_elements)
     # The published exchange sums every buffer slot; a steered density lets
     # the gathered indices be packed into about k slots first.
@@ -316,27 +307,18 @@ def _partitioned_transform(
     partition = _partition.owned_partition(t, jax.lax.axis_index(axis_name), num_workers)
     begin, end = _partition.element_range(geometry, starts, sizes, partition)
 
-    # One global threshold. The adaptive controller counts this worker's
-    # partition in place (its cost follows the partition) and gathers every
-    # worker's counts and largest magnitude in one all_gather.
-    chunk = _exchange.chunk_length(num_elements, num_workers)
-
-    def measure(thresholds):
-      counts, largest = _exchange.count_in_range(accumulated, begin, end, thresholds, chunk=chunk)
-      gathered = _exchange.all_gather(
-          jnp.concatenate([counts, _exchange.float_bits(largest)[None]]), axis_name
-      )
-      return _threshold.ProbeCounts(
-          gathered[:, :-1], _exchange.bits_float(jnp.max(gathered[:, -1]))
-      )
-
+    # One global threshold, from every worker's count of its own partition.
+    chunk = _selection.chunk_length(num_elements, num_workers)
+    measure = _threshold.measure_partitions(
+        accumulated, begin, end, chunk=chunk, axis_name=axis_name
+    )
     threshold, steady = threshold_controller.choose(
         state.threshold, jnp.sum(state.partition_workloads), budget, state.target_correction, t,
         measure,
     )
 
     # Exclusive selection: the worker's own partition only, read chunk by chunk.
-    selection = _exchange.select_in_range(
+    selection = _selection.select_in_range(
         accumulated, threshold, begin, end, capacity=capacity, chunk=chunk, fallback_offset=t
     )
 
@@ -345,9 +327,11 @@ def _partitioned_transform(
     exchanged = _exchange.exchange(
         accumulated, selection.indices, selection.passed[None], axis_name, value_slots=packed
     )
-    passed = exchanged.gathered_info[:, 0]
-    sent = jnp.maximum(passed, 1)  # the fallback index when nothing passed
-    workloads = _partition.by_partition(sent, t)
+    # Per worker: elements over the threshold, and the indices it chose from
+    # them (the fallback index when none passed), both before the capacity limit.
+    passed_per_worker = exchanged.gathered_info[:, 0]
+    selected_per_worker = jnp.maximum(passed_per_worker, 1)
+    workloads = _partition.by_partition(selected_per_worker, t)
 
     # What the next step cuts its partitions from.
     if balanced:
@@ -357,13 +341,13 @@ def _partitioned_transform(
           sizes=sizes,
           step=t,
           gathered_indices=exchanged.gathered_indices,
-          passed=passed,
+          passed=passed_per_worker,
       )
     else:
       block_workloads, worker_scales = state.block_workloads, state.worker_scales
 
-    selected = jnp.sum(sent)
-    transmitted = jnp.minimum(jnp.sum(jnp.minimum(sent, capacity)), slots)
+    selected = jnp.sum(selected_per_worker)
+    transmitted = jnp.minimum(jnp.sum(jnp.minimum(selected_per_worker, capacity)), slots)
     stats = _stats.SparsifierStats(
         step=t + 1,
         threshold=threshold,
@@ -398,19 +382,3 @@ def _partitioned_transform(
       axis_name=axis_name, init_state=init_state, step=step
   )
 
-
-def default_capacity_factor(target: int, num_workers: int, controller: str) -> float:
-  """``capacity_factor`` when the user gives none.
-
-  Args:
-    target: ``k``.
-    num_workers: ``n``.
-    controller: the threshold controller's name.
-
-  Returns:
-    ``CAPACITY_BURST + CAPACITY_NOISE / sqrt(k / n)`` for the adaptive
-    controller, ``REFERENCE_CAPACITY_FACTOR`` for the reference one.
-  """
-  if controller == "reference":
-    return REFERENCE_CAPACITY_FACTOR
-  return CAPACITY_BURST + CAPACITY_NOISE / math.sqrt(target / num_workers)

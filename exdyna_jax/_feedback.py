@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax import _exchange, _layout, _options, _stats
+from exdyna_jax import _collectives, _exchange, _layout, _options, _stats
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -99,10 +99,10 @@ def error_feedback_transform(
 
   def init_fn(params: Any) -> Any:
     layout = _layout.layout_of(params, what="params")
-    num_workers = _exchange.axis_size(axis_name)
+    num_workers = _collectives.axis_size(axis_name)
     residual = jnp.zeros((layout.num_elements,), _layout.ACCUMULATION_DTYPE)
     return init_state(
-        _exchange.per_worker(residual, axis_name), layout.num_elements, num_workers
+        _collectives.per_worker(residual, axis_name), layout.num_elements, num_workers
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -124,15 +124,34 @@ def error_feedback_transform(
         state.stats,
         num_workers,
         skipped=lambda shapes: (
-            _exchange.SparseUpdate.nothing(shapes[0], layout.num_elements),
+            _exchange.SparseUpdate.nothing(shapes[0], layout.num_elements, axis_name),
             without_residual_and_stats(state),
         ),
     )
+    sparse = keep_what_rounding_loses(sparse, layout)
     update = sparse.dense(layout.num_elements)
     residual = sparse.clear(accumulated)[0]
     return _layout.unflatten(update, layout), rest._replace(residual=residual, stats=stats)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def keep_what_rounding_loses(
+    sparse: _exchange.SparseUpdate, layout: _layout.FlatLayout
+) -> _exchange.SparseUpdate:
+  """Rounds the update to the leaves' dtypes and keeps the difference in the residual.
+
+  A bfloat16 or float16 leaf cannot hold the float32 mean exactly. Each of the
+  ``n`` workers keeps ``mean - rounded`` at that index, so the ``n`` residuals
+  hold together what the rounded update of ``n`` workers' mass leaves out, and
+  nothing is lost. Float32 (and wider) trees pay nothing: the check is static.
+  """
+  sent = _layout.as_leaf_dtypes(sparse.indices, sparse.values, layout)
+  if sent is sparse.values:
+    return sparse
+  lost = sparse.values - sent
+  kept = lost if sparse.kept is None else sparse.kept + lost
+  return sparse._replace(values=sent, kept=kept)
 
 
 def stats_state_transform(
@@ -215,9 +234,9 @@ def check_update(
   layout = _layout.gradient_layout(
       updates, params, None if residual is None else residual.shape[0]
   )
-  num_workers = _exchange.axis_size(axis_name)
+  num_workers = _collectives.axis_size(axis_name)
   _stats.check_num_workers(state.stats, num_workers, axis_name)
-  _exchange.check_local(updates, axis_name)
+  _collectives.check_local(updates, axis_name)
   return layout, num_workers
 
 
@@ -238,7 +257,7 @@ def count_nonfinite(values: Any, axis_name: str) -> jax.Array:
     # when finite values overflowed the sum: then the count is 0).
     return jax.lax.cond(
         jnp.isfinite(jnp.sum(leaf, dtype=jnp.float32)),
-        lambda: _exchange.per_worker(jnp.zeros((), jnp.int32), axis_name),
+        lambda: _collectives.per_worker(jnp.zeros((), jnp.int32), axis_name),
         lambda: jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32),
     )
 
@@ -286,7 +305,7 @@ def skip_if_nonfinite(
     return skipped(output_shapes), silent
 
   output, stats = jax.lax.cond(skip, skip_step, step)
-  count_bytes = _exchange.ring_all_reduce_bytes(num_workers, _exchange.INDEX_BYTES)
+  count_bytes = _collectives.ring_all_reduce_bytes(num_workers, _collectives.INDEX_BYTES)
   stats = stats._replace(
       nonfinite=nonfinite,
       skipped_steps=previous_stats.skipped_steps + skip.astype(jnp.int32),

@@ -7,7 +7,7 @@ import math
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax import _exchange, _feedback, _options, _stats, _threshold
+from exdyna_jax import _exchange, _feedback, _options, _selection, _stats, _threshold
 
 DEFAULT_CAPACITY_FACTOR = 2.0
 
@@ -40,13 +40,7 @@ def hard_threshold(
   twice the target ``k`` per worker, because nothing regulates the count.
   With ``threshold=`` there is no ``k``, so ``capacity`` must be given.
 
-  The calling convention is that of `exdyna`: ``init`` and ``update`` run per
-  worker inside ``jax.shard_map``, ``jax.pmap`` or ``jax.vmap(axis_name=)``,
-  on the worker's local, unreduced gradient, first in an ``optax.chain``.
-
-  Non-finite gradients are handled as in `exdyna`: if any worker's gradient
-  holds a NaN or an infinity, every worker skips the step (zero update,
-  state unchanged) and ``stats.nonfinite`` / ``stats.skipped_steps`` count it.
+  Calling convention: :doc:`/usage`; non-finite gradients: :doc:`/bad_inputs`.
 
   Args:
     density: fraction ``d`` setting the threshold ``1 / (2 sqrt(d N))`` and
@@ -121,13 +115,13 @@ def hard_threshold(
   def sparsify(accumulated, stats, num_workers):
     num_elements = accumulated.shape[0]
     value, slots = settings(num_elements)
-    selection = _exchange.select_in_range(
+    selection = _selection.select_in_range(
         accumulated,
         jnp.float32(value),
         jnp.int32(0),
         jnp.int32(num_elements),
         capacity=slots,
-        chunk=_exchange.chunk_length(num_elements, 1),
+        chunk=_selection.chunk_length(num_elements, 1),
     )
     exchanged = _exchange.exchange(
         accumulated, selection.indices, selection.passed[None], axis_name

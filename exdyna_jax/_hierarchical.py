@@ -28,21 +28,19 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax import _exchange, _layout
+from exdyna_jax import _collectives, _layout
 
 FAST_REDUCE_MODES = ("scatter", "psum")
 
 
 def _fast_axis_size(fast_axis: str) -> int:
-  try:
-    return jax.lax.axis_size(fast_axis)
-  except NameError:
-    raise ValueError(
-        f"The fast axis {fast_axis!r} is not bound. hierarchical() runs per device "
-        "inside jax.shard_map over a 2-D mesh, e.g. jax.make_mesh((nodes, local), "
-        f"('node', {fast_axis!r})), or inside nested jax.vmap(axis_name=...); pass "
-        "fast_axis= to match your mesh."
-    ) from None
+  return _collectives.axis_size(
+      fast_axis,
+      unbound_message=f"The fast axis {fast_axis!r} is not bound. hierarchical() runs per "
+      "device inside jax.shard_map over a 2-D mesh, e.g. jax.make_mesh((nodes, local), "
+      f"('node', {fast_axis!r})), or inside nested jax.vmap(axis_name=...); pass "
+      "fast_axis= to match your mesh.",
+  )
 
 
 def slice_size(num_elements: int, num_local: int) -> int:
@@ -60,7 +58,7 @@ def slice_size(num_elements: int, num_local: int) -> int:
 
 def _refuse_varying_types(fast_axis: str) -> None:
   """Scatter mode cannot run under ``shard_map(check_vma=True)``; says what to do."""
-  if _exchange._tracks_varying(fast_axis):
+  if _collectives._tracks_varying(fast_axis):
     raise ValueError(
         "hierarchical(fast_reduce='scatter') runs the sparsifier on a slice that differs "
         f"between the devices of a node (it varies over {fast_axis!r} as well as the slow "
@@ -248,7 +246,7 @@ def _scatter_mode(
       update, state = sparsifier.update(mean, state, None, **extra_args)
     except ValueError as error:
       raise _slice_context(error, layout.num_elements, num_local) from error
-    if _exchange._is_manual(fast_axis):
+    if _collectives._is_manual(fast_axis):
       full = jax.lax.all_gather(update, fast_axis, tiled=True, to="invarying")
     else:  # vmap(axis_name=...) has no invariant all_gather
       full = jax.lax.all_gather(update, fast_axis, tiled=True)

@@ -69,6 +69,11 @@ def layout_of(tree: Any, *, what: str = "params") -> FlatLayout:
     shapes.append(tuple(np.shape(leaf)))
     dtypes.append(dtype)
   num_elements = sum(math.prod(shape) for shape in shapes)
+  if num_elements == 0:
+    raise ValueError(
+        f"The {what} tree has leaves but no elements (shapes {tuple(shapes)}); there is "
+        "nothing to sparsify. Leave empty parameters out of the optimized tree."
+    )
   if num_elements > MAX_ELEMENTS:
     raise ValueError(
         f"The {what} tree has {num_elements} elements; int32 indices limit a "
@@ -126,6 +131,34 @@ def flatten(tree: Any) -> jax.Array:
   """Concatenates the leaves of ``tree`` into one float32 vector."""
   leaves = jax.tree.leaves(tree)
   return jnp.concatenate([jnp.ravel(leaf).astype(ACCUMULATION_DTYPE) for leaf in leaves])
+
+
+def as_leaf_dtypes(indices: jax.Array, values: jax.Array, layout: FlatLayout) -> jax.Array:
+  """float32 ``values`` at flat ``indices`` as the leaves' own dtypes will hold them.
+
+  Where a leaf is narrower than float32 (bfloat16, float16), the value is
+  rounded to it and back; elsewhere it is unchanged. Indices past ``N`` are
+  left as they are (nothing is written there).
+
+  Args:
+    indices: int32 ``[M]`` flat indices.
+    values: float32 ``[M]``.
+    layout: the `FlatLayout` the indices refer to.
+
+  Returns:
+    float32 ``[M]``.
+  """
+  narrow = sorted({str(d) for d in layout.dtypes if jnp.finfo(d).bits < 32})
+  if not narrow:
+    return values
+  leaf_ends = np.cumsum(layout.sizes)
+  # Per leaf (plus one entry for indices past N): 0 keeps float32, i + 1 rounds to narrow[i].
+  codes = [narrow.index(str(d)) + 1 if str(d) in narrow else 0 for d in layout.dtypes]
+  code = jnp.asarray([*codes, 0], jnp.int32)[jnp.searchsorted(leaf_ends, indices, side="right")]
+  rounded = values
+  for i, dtype in enumerate(narrow, start=1):
+    rounded = jnp.where(code == i, values.astype(dtype).astype(values.dtype), rounded)
+  return rounded
 
 
 def unflatten(flat: jax.Array, layout: FlatLayout) -> Any:

@@ -30,13 +30,7 @@ def micro(
   buffer sets the traffic (elements past ``capacity_factor * k / n`` stay in
   the residual and are counted as ``stats.overflow``).
 
-  The calling convention is that of `exdyna`: ``init`` and ``update`` run per
-  worker inside ``jax.shard_map``, ``jax.pmap`` or ``jax.vmap(axis_name=)``,
-  on the worker's local, unreduced gradient, first in an ``optax.chain``.
-
-  Non-finite gradients are handled as in `exdyna`: if any worker's gradient
-  holds a NaN or an infinity, every worker skips the step (zero update,
-  state unchanged) and ``stats.nonfinite`` / ``stats.skipped_steps`` count it.
+  Calling convention: :doc:`/usage`; non-finite gradients: :doc:`/bad_inputs`.
 
   Args:
     density: fraction of gradient elements to send per step, in ``(0, 1]``.

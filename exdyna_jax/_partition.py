@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from exdyna_jax import _integer
 
-ROW = 32  # published block sizes are multiples of this; also the compaction row width
+BLOCK_MULTIPLE = 32  # the published block size is a multiple of this
 REFERENCE_NUM_BLOCKS = 1024  # the published B
 IMBALANCE_HIGH = (105, 100)  # a partition is overloaded above 1.05 x mean
 IMBALANCE_LOW = (95238, 100000)  # ... and underloaded below 0.95238 x mean
@@ -66,12 +66,13 @@ def block_geometry(num_elements: int, num_blocks: int, num_workers: int) -> Bloc
         f"num_blocks >= {4 * num_workers}."
     )
   per_block = num_elements // num_blocks
-  block_size = per_block - per_block % ROW
+  block_size = per_block - per_block % BLOCK_MULTIPLE
   if block_size == 0:
     raise ValueError(
         f"The model has {num_elements} elements, too few for num_blocks={num_blocks}: "
-        f"blocks hold a multiple of {ROW} elements, so at least {ROW * num_blocks} "
-        f"elements are needed. Pass num_blocks <= {max(num_elements // ROW, 1)}."
+        f"blocks hold a multiple of {BLOCK_MULTIPLE} elements, so at least "
+        f"{BLOCK_MULTIPLE * num_blocks} elements are needed. Pass num_blocks <= "
+        f"{max(num_elements // BLOCK_MULTIPLE, 1)}."
     )
   return BlockGeometry(
       num_elements=num_elements,

@@ -62,14 +62,21 @@ def get_sparsifier(name: str, **options: Any) -> optax.GradientTransformationExt
     >>> isinstance(tx, optax.GradientTransformationExtraArgs)
     True
     >>> tx = exdyna_jax.get_sparsifier("exdyna", density=0.001, num_blocks=256)
+    >>> tx = exdyna_jax.get_sparsifier("top-k", density=0.01)  # the same as "topk"
     >>> exdyna_jax.get_sparsifier("powersgd", density=0.01)
     Traceback (most recent call last):
       ...
     ValueError: Unknown sparsifier 'powersgd'; valid names: cltk, dense, exdyna, ...
   """
-  key = name.lower().replace("-", "_") if isinstance(name, str) else name
-  if key not in SPARSIFIERS:
+  by_key = {_key(known): factory for known, factory in SPARSIFIERS.items()}
+  factory = by_key.get(_key(name)) if isinstance(name, str) else None
+  if factory is None:
     raise ValueError(
         f"Unknown sparsifier {name!r}; valid names: {', '.join(available_sparsifiers())}."
     )
-  return SPARSIFIERS[key](**options)
+  return factory(**options)
+
+
+def _key(name: str) -> str:
+  """``name`` without case, ``-`` or ``_``: "Top-K", "top_k" and "topk" are one name."""
+  return name.lower().replace("-", "").replace("_", "")

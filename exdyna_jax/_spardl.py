@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from exdyna_jax import _exchange, _feedback, _layout, _options, _stats
+from exdyna_jax import _collectives, _exchange, _feedback, _options, _stats
 
 SCHEDULES = ("log", "ring")
-PAIR_BYTES = _exchange.INDEX_BYTES + _exchange.VALUE_BYTES
+PAIR_BYTES = _collectives.INDEX_BYTES + _collectives.VALUE_BYTES
 
 
 class SparDLRounds(NamedTuple):
@@ -215,9 +215,7 @@ def spardl(
   density is then ``n / N``-ish, above the requested one, as
   ``stats.transmitted`` shows.
 
-  Non-finite gradients are handled as in `exdyna`: if any worker's gradient
-  holds a NaN or an infinity, every worker skips the step (zero update,
-  state unchanged) and ``stats.nonfinite`` / ``stats.skipped_steps`` count it.
+  Calling convention: :doc:`/usage`; non-finite gradients: :doc:`/bad_inputs`.
 
   Args:
     density: fraction of gradient elements to send per step, in ``(0, 1]``.
@@ -298,105 +296,74 @@ def spardl(
     sizes = np.clip(num_elements - starts, 0, block)
     return jnp.asarray(starts, jnp.int32), jnp.asarray(sizes, jnp.int32)
 
-  def init_fn(params):
-    layout = _layout.layout_of(params, what="params")
-    num_workers = _exchange.axis_size(axis_name)
-    block, per_block = geometry(layout.num_elements, num_workers)
-    starts, sizes = block_ranges(layout.num_elements, num_workers, block)
-    residual = jnp.zeros((layout.num_elements,), _layout.ACCUMULATION_DTYPE)
+  def init_state(residual, num_elements, num_workers):
+    block, per_block = geometry(num_elements, num_workers)
+    starts, sizes = block_ranges(num_elements, num_workers, block)
     return SparDLState(
-        residual=_exchange.per_worker(residual, axis_name),
+        residual=residual,
         stats=_stats.initial_stats(0.0, starts, sizes),
         rounds=rounds_of(num_workers, per_block),
     )
 
-  def update_fn(updates, state, params=None, **extra_args):
-    del extra_args
-    layout, n = _feedback.check_update(updates, state, params, axis_name)
-    num_elements = layout.num_elements
+  def step(accumulated, state, n):
+    num_elements = accumulated.shape[0]
     block, per_block = geometry(num_elements, n)
+    blocks = jnp.pad(accumulated, (0, n * block - num_elements)).reshape(n, block)
+    rank = jax.lax.axis_index(axis_name)
+    # Rolled frame: row j is block (rank + j) mod n; row 0 is the owned block.
+    order = (rank + jnp.arange(n, dtype=jnp.int32)) % n
+    copies = blocks[order]
+    dropped = jnp.zeros_like(copies)
 
-    nonfinite = _feedback.count_nonfinite(updates, axis_name)
-    accumulated = _feedback.accumulate(updates, state.residual, nonfinite)[0]
-
-    def step():
-      blocks = jnp.pad(accumulated, (0, n * block - num_elements)).reshape(n, block)
-      rank = jax.lax.axis_index(axis_name)
-      # Rolled frame: row j is block (rank + j) mod n; row 0 is the owned block.
-      order = (rank + jnp.arange(n, dtype=jnp.int32)) % n
-      copies = blocks[order]
-      dropped = jnp.zeros_like(copies)
-
-      # Spar-Reduce-Scatter.
-      for round_ in _schedule(schedule, n):
-        send = np.asarray(round_.send_rows)
-        recv = np.asarray(round_.recv_rows)
-        indices, values, rest = _top_k(copies[send], per_block)
-        dropped = dropped.at[send].set(rest)
-        permutation = [(r, (r + round_.shift) % n) for r in range(n)]
-        # One message per round: the pairs as int32 [blocks, 2 k_b] (values bitcast).
-        message = jnp.concatenate(
-            [indices, jax.lax.bitcast_convert_type(values, jnp.int32)], axis=1
-        )
-        message = jax.lax.ppermute(message, axis_name, permutation)
-        indices = message[:, :per_block]
-        values = jax.lax.bitcast_convert_type(message[:, per_block:], jnp.float32)
-        copies = copies.at[recv[:, None], indices].add(values)
-
-      # The owner's final top-k_b, then the Spar-All-Gather.
-      own_indices, own_values, own_rest = _top_k(copies[:1], per_block)
-      dropped = dropped.at[0].set(own_rest[0])
-      own = jnp.concatenate(
-          [own_indices[0], jax.lax.bitcast_convert_type(own_values[0], jnp.int32)]
+    # Spar-Reduce-Scatter: one message per round, the pairs as int32 [blocks, 2 k_b].
+    for round_ in _schedule(schedule, n):
+      send = np.asarray(round_.send_rows)
+      recv = np.asarray(round_.recv_rows)
+      indices, values, rest = _top_k(copies[send], per_block)
+      dropped = dropped.at[send].set(rest)
+      permutation = [(r, (r + round_.shift) % n) for r in range(n)]
+      message = jnp.concatenate([indices, _collectives.float_bits(values)], axis=1)
+      message = jax.lax.ppermute(message, axis_name, permutation)
+      indices = message[:, :per_block]
+      copies = copies.at[recv[:, None], indices].add(
+          _collectives.bits_float(message[:, per_block:])
       )
-      if _exchange._is_manual(axis_name):
-        gathered = jax.lax.all_gather(own, axis_name, to="invarying")
-      else:  # vmap(axis_name=...) has no invariant all_gather
-        gathered = jax.lax.all_gather(own, axis_name)
-      gathered_indices = gathered[:, :per_block]  # [n, k_b], in block coordinates
-      gathered_values = jax.lax.bitcast_convert_type(gathered[:, per_block:], jnp.float32)
-      block_offsets = jnp.arange(n, dtype=jnp.int32)[:, None] * block
-      flat_indices = (gathered_indices + block_offsets).reshape(-1)
-      # XLA computes this as a product with a rounded 1/n: within 1 ulp of the sum / n.
-      mean = gathered_values.reshape(-1) / n
-      update = jnp.zeros((n * block,), accumulated.dtype).at[flat_indices].set(mean)
 
-      # Global residual collection: own originals outside the final lists, what
-      # this worker dropped inside them.
-      chosen = jnp.zeros((n * block,), bool).at[flat_indices].set(True)
-      unrolled = (jnp.arange(n, dtype=jnp.int32) - rank) % n
-      dropped_blocks = dropped[unrolled].reshape(-1)
-      residual = jnp.where(chosen, dropped_blocks, blocks.reshape(-1))[:num_elements]
-      update = update[:num_elements]
+    # The owner's final top-k_b, then the Spar-All-Gather.
+    own_indices, own_values, own_rest = _top_k(copies[:1], per_block)
+    dropped = dropped.at[0].set(own_rest[0])
+    own = jnp.concatenate([own_indices[0], _collectives.float_bits(own_values[0])])
+    gathered = _collectives.all_gather(own, axis_name)
+    gathered_indices = gathered[:, :per_block]  # [n, k_b], in block coordinates
+    gathered_values = _collectives.bits_float(gathered[:, per_block:])
+    block_offsets = jnp.arange(n, dtype=jnp.int32)[:, None] * block
+    flat_indices = (gathered_indices + block_offsets).reshape(-1)  # padding: >= N, dropped
 
-      real = gathered_indices + jnp.arange(n, dtype=jnp.int32)[:, None] * block < num_elements
-      workloads = jnp.sum(real, axis=1, dtype=jnp.int32)
-      transmitted = jnp.sum(workloads)
-      threshold = jnp.min(jnp.where(real, jnp.abs(gathered_values) / n, jnp.inf))
-      threshold = jnp.where(transmitted > 0, threshold, 0.0).astype(jnp.float32)
-      stats = state.stats
-      new_stats = _stats.SparsifierStats(
-          step=stats.step + 1,
-          threshold=threshold,
-          selected=transmitted,
-          transmitted=transmitted,
-          overflow=jnp.zeros((), jnp.int32),
-          workloads=workloads,
-          imbalance=_stats.imbalance_of(workloads),
-          partition_starts=stats.partition_starts,
-          partition_sizes=stats.partition_sizes,
-          bytes_sent=_stats.static_bytes(2 * (n - 1) * per_block * PAIR_BYTES),
-      )
-      return (update, residual), new_stats
+    # Global residual collection: outside the final lists the worker keeps its
+    # own originals (the shell's accumulated gradient), inside them what it
+    # dropped itself.
+    unrolled = (jnp.arange(n, dtype=jnp.int32) - rank) % n
+    kept = dropped[unrolled].reshape(-1)[flat_indices]
+    # XLA computes the mean as a product with a rounded 1/n: within 1 ulp of the sum / n.
+    sparse = _exchange.SparseUpdate(flat_indices, gathered_values.reshape(-1) / n, kept)
 
-    (update, residual), stats = _feedback.skip_if_nonfinite(
-        nonfinite,
-        step,
-        state.stats,
-        n,
-        skipped=lambda shapes: (jnp.zeros(shapes[0].shape, shapes[0].dtype), accumulated),
+    real = gathered_indices + block_offsets < num_elements
+    workloads = jnp.sum(real, axis=1, dtype=jnp.int32)
+    transmitted = jnp.sum(workloads)
+    threshold = jnp.min(jnp.where(real, jnp.abs(gathered_values) / n, jnp.inf))
+    threshold = jnp.where(transmitted > 0, threshold, 0.0).astype(jnp.float32)
+    stats = state.stats._replace(
+        step=state.stats.step + 1,
+        threshold=threshold,
+        selected=transmitted,
+        transmitted=transmitted,
+        overflow=jnp.zeros((), jnp.int32),
+        workloads=workloads,
+        imbalance=_stats.imbalance_of(workloads),
+        bytes_sent=_stats.static_bytes(2 * (n - 1) * per_block * PAIR_BYTES),
     )
-    new_state = SparDLState(residual=residual, stats=stats, rounds=rounds_of(n, per_block))
-    return _layout.unflatten(update, layout), new_state
+    return sparse, state._replace(stats=stats)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return _feedback.error_feedback_transform(
+      axis_name=axis_name, init_state=init_state, step=step
+  )

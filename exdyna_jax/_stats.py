@@ -89,22 +89,17 @@ class SparsifierStats(NamedTuple):
 def initial_stats(
     threshold: float, partition_starts: jax.Array, partition_sizes: jax.Array
 ) -> SparsifierStats:
-  """Statistics before the first step."""
-  num_partitions = partition_sizes.shape[0]
+  """Statistics before the first step: every count zero."""
   zero = jnp.zeros((), jnp.int32)
+  counts = ("step", "selected", "transmitted", "overflow", "bytes_sent", "nonfinite",
+            "skipped_steps")
   return SparsifierStats(
-      step=zero,
       threshold=jnp.asarray(threshold, jnp.float32),
-      selected=zero,
-      transmitted=zero,
-      overflow=zero,
-      workloads=jnp.zeros((num_partitions,), jnp.int32),
+      workloads=jnp.zeros(partition_sizes.shape, jnp.int32),
       imbalance=jnp.ones((), jnp.float32),
       partition_starts=jnp.asarray(partition_starts, jnp.int32),
       partition_sizes=jnp.asarray(partition_sizes, jnp.int32),
-      bytes_sent=zero,
-      nonfinite=zero,
-      skipped_steps=zero,
+      **dict.fromkeys(counts, zero),
   )
 
 
@@ -131,10 +126,11 @@ def check_num_workers(stats: SparsifierStats, num_workers: int, axis_name: str) 
       f"The optimizer state was initialized for {initialized_for} workers but axis "
       f"{axis_name!r} has {num_workers}. A sparsifier's state is per worker (each "
       "worker's residual, and per-partition arrays of length n), so it cannot move to "
-      "another number of workers: restore the checkpoint on a mesh of "
-      f"{initialized_for} devices, or start the sparsifier from a fresh init() inside "
-      "the new mesh (its residuals, the gradient mass not yet sent, start from zero). "
-      "Also call init() inside the same mapped context as update()."
+      "another number of workers as it is: restore the checkpoint onto its stored shapes "
+      "and pass it through exdyna_jax.resize_workers(tx, state, params, num_workers), "
+      "which keeps the residual mass; or restore on a mesh of "
+      f"{initialized_for} devices. Also call init() inside the same mapped context as "
+      "update()."
   )
 
 

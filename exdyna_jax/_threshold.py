@@ -26,7 +26,7 @@ this step. Two are provided:
 
 The adaptive rule costs one extra collective per step (18 int32 per worker)
 and one read of the worker's partition, in place and chunk by chunk
-(`_exchange.count_in_range`), with all 17 counts packed into one reduction.
+(`_selection.count_in_range`), with all 17 counts packed into one reduction.
 The probes are dense next to ``c`` because error feedback piles magnitudes
 up just below a slowly moving threshold: late in training the count curve
 can halve within 1 % of ``c`` (log-log slopes of -50 were measured).
@@ -54,7 +54,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from exdyna_jax import _exchange, _integer
+from exdyna_jax import _collectives, _integer, _selection
 
 # Published rule: band edges as exact (numerator, denominator), and factors.
 REFERENCE_UPPER = (11, 10)
@@ -73,6 +73,7 @@ ADAPTIVE_SLOPE_RANGE = (-20.0, -0.1)  # d log K / d log threshold, clamped
 CORRECTION_RATE = 0.3  # integral feedback on the target (`correct`)
 CORRECTION_STEP = 0.1  # at most this far in log space per step
 CORRECTION_RANGE = (0.5, 2.0)
+
 
 class ProbeCounts(NamedTuple):
   """What the adaptive controller measures at a step (identical on every worker).
@@ -108,6 +109,35 @@ class Budget(NamedTuple):
 
 Measure = Callable[[jax.Array], ProbeCounts]
 """``thresholds f32[P] -> ProbeCounts`` of this step's accumulated gradients."""
+
+
+def measure_partitions(
+    accumulated: jax.Array, begin: jax.Array, end: jax.Array, *, chunk: int, axis_name: str
+) -> Measure:
+  """The `Measure` of workers that each own a partition ``accumulated[begin:end]``.
+
+  Each worker counts its own partition in place, chunk by chunk
+  (`_selection.count_in_range`), and one ``all_gather`` gives every worker
+  every worker's counts and largest magnitude.
+
+  Args:
+    accumulated: float32 ``[N]`` this worker's accumulated gradient.
+    begin: int32 first index of this worker's partition.
+    end: int32 one past its last index.
+    chunk: static elements per iteration (`_selection.chunk_length`).
+    axis_name: the data-parallel axis.
+
+  Returns:
+    The `Measure`.
+  """
+
+  def measure(thresholds: jax.Array) -> ProbeCounts:
+    counts, largest = _selection.count_in_range(accumulated, begin, end, thresholds, chunk=chunk)
+    largest_bits = _collectives.float_bits(largest)[None]
+    gathered = _collectives.all_gather(jnp.concatenate([counts, largest_bits]), axis_name)
+    return ProbeCounts(gathered[:, :-1], _collectives.bits_float(jnp.max(gathered[:, -1])))
+
+  return measure
 
 
 class ThresholdController(NamedTuple):
@@ -305,8 +335,8 @@ def control_bytes(controller: ThresholdController, num_workers: int) -> int:
   """
   if not controller.num_probes:
     return 0
-  return _exchange.ring_all_gather_bytes(
-      num_workers, (controller.num_probes + 1) * _exchange.INDEX_BYTES
+  return _collectives.ring_all_gather_bytes(
+      num_workers, (controller.num_probes + 1) * _collectives.INDEX_BYTES
   )
 
 

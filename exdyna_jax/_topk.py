@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax import _exchange, _feedback, _stats
+from exdyna_jax import _collectives, _exchange, _feedback, _selection, _stats
 
 
 def topk(density: float, *, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
@@ -26,13 +26,7 @@ def topk(density: float, *, axis_name: str = "data") -> optax.GradientTransforma
   magnitudes (it rides on the index all-gather); ``stats.workloads`` is ``k``
   per worker.
 
-  The calling convention is that of `exdyna`: ``init`` and ``update`` run per
-  worker inside ``jax.shard_map``, ``jax.pmap`` or ``jax.vmap(axis_name=)``,
-  on the worker's local, unreduced gradient, first in an ``optax.chain``.
-
-  Non-finite gradients are handled as in `exdyna`: if any worker's gradient
-  holds a NaN or an infinity, every worker skips the step (zero update,
-  state unchanged) and ``stats.nonfinite`` / ``stats.skipped_steps`` count it.
+  Calling convention: :doc:`/usage`; non-finite gradients: :doc:`/bad_inputs`.
 
   Args:
     density: fraction ``d`` of gradient elements each worker picks, in
@@ -78,14 +72,14 @@ def topk(density: float, *, axis_name: str = "data") -> optax.GradientTransforma
 
   def sparsify(accumulated, stats, num_workers, k):
     num_elements = accumulated.shape[0]
-    indices, kth = _exchange.select_top_k(accumulated, k)
+    indices, kth = _selection.select_top_k(accumulated, k)
     exchanged = _exchange.exchange(
-        accumulated, indices, _exchange.float_bits(kth)[None], axis_name
+        accumulated, indices, _collectives.float_bits(kth)[None], axis_name
     )
     selected = jnp.int32(num_workers * k)
     new_stats = _stats.unpartitioned_stats(
         step=stats.step + 1,
-        threshold=_exchange.bits_float(jnp.min(exchanged.gathered_info[:, 0])),
+        threshold=_collectives.bits_float(jnp.min(exchanged.gathered_info[:, 0])),
         selected=selected,
         transmitted=_exchange.distinct_count(exchanged.gathered_indices, num_elements),
         overflow=jnp.zeros((), jnp.int32),

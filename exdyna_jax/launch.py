@@ -2,11 +2,12 @@
 
 Starts ``--processes`` copies of a command on 127.0.0.1, each told through
 environment variables who it is, where the coordinator listens and how many
-CPU devices it owns; the worker calls `initialize_from_env` before anything
-else touches JAX. The launcher forwards every line the workers print with a
-``[rank r]`` prefix, and stops all of them (the whole process group of each,
-with SIGKILL: JAX ignores SIGTERM in some states) as soon as one exits with a
-non-zero code, or when ``--timeout`` expires. It never waits unboundedly.
+CPU devices it owns (JAX's own ``JAX_NUM_CPU_DEVICES``); the worker calls
+`initialize_from_env` before anything else touches JAX. The launcher forwards
+every line the workers print with a ``[rank r]`` prefix, and stops all of them
+(the whole process group of each, with SIGKILL: JAX ignores SIGTERM in some
+states) as soon as one exits with a non-zero code, or when ``--timeout``
+expires. It never waits unboundedly.
 
 Example::
 
@@ -41,7 +42,7 @@ from collections.abc import Mapping, Sequence
 COORDINATOR_ENV = "EXDYNA_COORDINATOR"
 NUM_PROCESSES_ENV = "EXDYNA_NUM_PROCESSES"
 PROCESS_ID_ENV = "EXDYNA_PROCESS_ID"
-DEVICES_PER_PROCESS_ENV = "EXDYNA_DEVICES_PER_PROCESS"
+DEVICES_PER_PROCESS_ENV = "JAX_NUM_CPU_DEVICES"  # JAX's own switch (CPU devices per process)
 INIT_TIMEOUT_ENV = "EXDYNA_INIT_TIMEOUT"
 HEARTBEAT_TIMEOUT_ENV = "EXDYNA_HEARTBEAT_TIMEOUT"
 
@@ -67,13 +68,13 @@ def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
 
   Reads ``EXDYNA_COORDINATOR`` (``host:port`` of process 0),
   ``EXDYNA_NUM_PROCESSES``, ``EXDYNA_PROCESS_ID``, and optionally
-  ``EXDYNA_DEVICES_PER_PROCESS`` (CPU devices to create in this process),
   ``EXDYNA_INIT_TIMEOUT`` (seconds to wait for every process to join) and
   ``EXDYNA_HEARTBEAT_TIMEOUT`` (seconds after which a silent process is
   declared dead and the others are stopped). Call it before any JAX
-  computation. Without ``EXDYNA_NUM_PROCESSES`` (or with 1 process) it only
-  sets the CPU device count and returns ``False``: the script then runs as a
-  single process, unchanged.
+  computation. The CPU devices of each process are JAX's own
+  ``JAX_NUM_CPU_DEVICES`` (the launcher sets it). Without
+  ``EXDYNA_NUM_PROCESSES`` (or with 1 process) it returns ``False``: the
+  script then runs as a single process, unchanged.
 
   Example:
     First thing in the worker script, before any JAX computation::
@@ -100,11 +101,6 @@ def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
   import jax
 
   environ = os.environ if environ is None else environ
-  devices = _env_int(environ, DEVICES_PER_PROCESS_ENV)
-  if devices is not None:
-    if devices < 1:
-      raise ValueError(f"{DEVICES_PER_PROCESS_ENV} must be at least 1, got {devices}.")
-    jax.config.update("jax_num_cpu_devices", devices)
   num_processes = _env_int(environ, NUM_PROCESSES_ENV)
   if num_processes is None or num_processes == 1:
     return False

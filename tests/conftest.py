@@ -1,5 +1,31 @@
-"""Test setup: 8 forced CPU devices, before the backend starts."""
+"""Test setup: 8 forced CPU devices, before the backend starts; cheaper compiles.
+
+The suite's time is mostly XLA compiling small programs, so two settings
+serve it (subprocesses started by tests inherit both):
+
+- JAX's persistent compilation cache, in one directory for the whole run
+  (both xdist workers and their subprocesses: the examples, the demo, the
+  multi-process runs), so a step compiled by one test is not compiled again
+  by another. Entries are keyed by the program and the jax/jaxlib versions.
+- LLVM's cheapest code generation for the CPU programs: the tests run tiny
+  arrays, where compile time, not run time, is what they spend. It changes
+  no arithmetic (fast-math stays off).
+"""
+
+import os
+import pathlib
+import tempfile
 
 import chex
+import jax
+
+CACHE_DIR = os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    str(pathlib.Path(tempfile.gettempdir()) / f"exdyna-jax-tests-{os.getuid()}" / "jax-cache"),
+)
+jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
 chex.set_n_cpu_devices(8)

@@ -246,9 +246,18 @@ def test_restoring_onto_fewer_workers_names_the_fix(checkpointed):
   x, y = batches()
   with pytest.raises(
       ValueError,
-      match=rf"initialized for {NUM_WORKERS} workers but axis 'data' has {half}.*fresh init",
+      match=rf"initialized for {NUM_WORKERS} workers but axis 'data' has {half}.*resize_workers",
   ):
     step(params, opt_state, x[0, :half], y[0, :half])
+  # The fix it names runs: the residual mass is kept and training goes on.
+  resized = exdyna_jax.resize_workers(make_tx(), opt_state, params, half)
+  np.testing.assert_allclose(
+      optax.tree.get(resized, "residual").sum(0),
+      np.asarray(optax.tree.get(opt_state, "residual")).sum(0),
+      atol=1e-5,
+  )
+  _, resized = step(params, resized, x[0, :half], y[0, :half])
+  assert np.isfinite(optax.tree.get(resized, "residual")).all()
 
 
 if __name__ == "__main__":

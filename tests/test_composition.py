@@ -162,8 +162,23 @@ def test_inject_hyperparams_around_the_whole_chain_needs_density_static():
   updates, _, _ = harness.run_vmap(tx, params(), grads)
   assert_close(updates, jax.tree.map(lambda u: -0.1 * u, sparse_updates(2)))
 
-  with pytest.raises(TypeError, match="density must be a number"):
+  with pytest.raises(TypeError, match=r"density must be a concrete number.*static_args"):
     harness.run_vmap(optax.inject_hyperparams(chain)(0.1, DENSITY), params(), grads)
+
+
+def test_inject_hyperparams_of_exdyna_names_every_static_option():
+  """inject_hyperparams turns num_blocks into an array too; the message says what to do."""
+  factory = optax.inject_hyperparams(exdyna_jax.exdyna)
+  with pytest.raises(TypeError, match=r"must be a concrete number.*static_args="):
+    harness.run_vmap(factory(density=DENSITY, num_blocks=8), params(), gradients(1))
+  tx = optax.inject_hyperparams(exdyna_jax.exdyna, static_args=("density", "num_blocks"))(
+      density=DENSITY, num_blocks=8
+  )
+  updates, _, _ = harness.run_vmap(tx, params(), gradients(2))
+  expected, _, _ = harness.run_vmap(
+      exdyna_jax.exdyna(DENSITY, num_blocks=8), params(), gradients(2)
+  )
+  assert_close(updates, expected)
 
 
 # ---------------------------------------------------------------- flax NNX

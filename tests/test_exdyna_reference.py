@@ -1,4 +1,4 @@
-"""``exdyna(controller="reference")`` is ExDyna as ALGORITHMS.md sections 0-1 state it.
+"""``exdyna(controller="reference")`` is ExDyna as published (docs/algorithms.md).
 
 The JAX transform runs over simulated workers and is compared, step by step,
 with an independent NumPy model written from the specification

@@ -1,23 +1,27 @@
 """The compiled-program reader behind the benchmarks' memory profile.
 
-`_hlo.memory_traffic` estimates the bytes one step reads and writes from the
+`benchmarks/hlo_memory.memory_traffic` estimates the bytes one step reads and writes from the
 top-level ops of the compiled program; a fusion that reads an operand only
 through slices or gathers reads what those return, not the whole operand.
 """
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import jax
 import jax.numpy as jnp
 
-from exdyna_jax import _hlo
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+import hlo_memory
 
 N = 1 << 20
 W = 1 << 16
 
 
 def traffic(fn, *args) -> int:
-  return _hlo.memory_traffic(jax.jit(fn).lower(*args).compile().as_text(), W)["bytes"]
+  return hlo_memory.memory_traffic(jax.jit(fn).lower(*args).compile().as_text(), W)["bytes"]
 
 
 def test_a_full_reduction_reads_the_vector():
@@ -31,7 +35,7 @@ def test_row_counts_of_a_slice_read_the_slice():
     window = jax.lax.dynamic_slice(x, (offset,), (W,))
     return jnp.sum((jnp.abs(window) >= 0.5).astype(jnp.int32).reshape(-1, 32), axis=1)
 
-  counted = _hlo.memory_traffic(
+  counted = hlo_memory.memory_traffic(
       jax.jit(window_row_counts).lower(jnp.ones(N), jnp.int32(12345)).compile().as_text(),
       W // 32,
   )["bytes"]

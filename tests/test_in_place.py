@@ -23,7 +23,7 @@ import exdyna_jax
 NUM_WORKERS = 8
 SHAPES = {"w": (512, 64), "b": (64,)}
 NUM_ELEMENTS = 512 * 64 + 64
-ERROR_FEEDBACK = ("exdyna", "micro", "topk", "hard_threshold", "cltk")
+ERROR_FEEDBACK = ("exdyna", "micro", "topk", "hard_threshold", "cltk", "spardl")
 
 
 def make_tx(name: str) -> optax.GradientTransformation:

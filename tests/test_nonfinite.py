@@ -1,6 +1,6 @@
 """Non-finite gradients: one bad step is skipped by every worker and leaves no trace.
 
-The policy (ALGORITHMS.md has none; `exdyna_jax._feedback` states it): if the
+The policy (docs/algorithms.md has none; `exdyna_jax._feedback` states it): if the
 gradient ``g`` of any worker holds a NaN or an infinity, every
 worker skips the step. The update is zero; residual, threshold, partitions,
 workloads and step counter keep their values; ``stats.nonfinite`` counts the

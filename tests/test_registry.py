@@ -49,9 +49,17 @@ def test_every_name_builds_and_runs_one_step(name):
   assert any(np.any(leaf != 0) for leaf in leaves)
 
 
-def test_names_ignore_case_and_dashes():
-  tx = exdyna_jax.get_sparsifier("Hard-Threshold", density=0.1)
-  assert isinstance(tx, optax.GradientTransformationExtraArgs)
+@pytest.mark.parametrize(
+    ("spelling", "name"),
+    [("Hard-Threshold", "hard_threshold"), ("hardthreshold", "hard_threshold"),
+     ("top-k", "topk"), ("Top_K", "topk"), ("EXDYNA", "exdyna"), ("cl-tk", "cltk")],
+)
+def test_names_ignore_case_dashes_and_underscores(monkeypatch, spelling, name):
+  for known in exdyna_jax.available_sparsifiers():
+    monkeypatch.setitem(
+        exdyna_jax._registry.SPARSIFIERS, known, lambda known=known, **options: (known, options)
+    )
+  assert exdyna_jax.get_sparsifier(spelling, density=0.1) == (name, {"density": 0.1})
 
 
 def test_unknown_name_lists_valid_names():

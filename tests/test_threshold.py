@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from exdyna_jax import _exchange, _threshold
+from exdyna_jax import _selection, _threshold
 
 
 def numpy_solve(thresholds, counts, target, largest=None):
@@ -160,7 +160,7 @@ def test_probe_counts_match_numpy_chunk_by_chunk(num_elements, chunk, begin, end
   values[[3, 500, 998]] = [np.nan, np.inf, -np.inf]
   thresholds = probes(0.01)
   counts, largest = jax.jit(
-      lambda v, b, e, t: _exchange.count_in_range(v, b, e, t, chunk=chunk)
+      lambda v, b, e, t: _selection.count_in_range(v, b, e, t, chunk=chunk)
   )(values, np.int32(begin), np.int32(end), thresholds)
   np.testing.assert_array_equal(np.asarray(counts), numpy_count(values, begin, end, thresholds))
   magnitudes = np.abs(values[begin:end])
@@ -169,6 +169,6 @@ def test_probe_counts_match_numpy_chunk_by_chunk(num_elements, chunk, begin, end
 
 
 def test_chunks_are_an_eighth_of_a_fair_share_within_bounds():
-  assert _exchange.chunk_length(11_173_962, 8) == 174_624  # ceil(N / 64), whole rows
-  assert _exchange.chunk_length(1_000_000, 8) == _exchange.MIN_CHUNK
-  assert _exchange.chunk_length(5_000, 8) == 5_000
+  assert _selection.chunk_length(11_173_962, 8) == 174_624  # ceil(N / 64), whole rows
+  assert _selection.chunk_length(1_000_000, 8) == _selection.MIN_CHUNK
+  assert _selection.chunk_length(5_000, 8) == 5_000

@@ -3,7 +3,7 @@
 The sparsifiers report ``SparsifierStats.bytes_sent`` from a formula. This
 module measures the same quantity from what XLA actually compiled: every
 collective in ``jax.jit(f).lower(...).compile().as_text()``, priced with the
-per-worker cost of the ring algorithms (see `exdyna_jax._hlo.ring_cost`).
+per-worker cost of the ring algorithms (see `exdyna_jax.demo.hlo.ring_cost`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from exdyna_jax import _hlo
+from exdyna_jax.demo import hlo
 
 
 class Collective(NamedTuple):
@@ -60,9 +60,9 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
           shapes=tuple(_parse_shape(shape) for shape in op["shapes"]),
           group_size=op["group"],
           result_bytes=op["result_bytes"],
-          bytes_sent=round(_hlo.ring_cost(op, num_devices)["bytes"]),
+          bytes_sent=round(hlo.ring_cost(op, num_devices)["bytes"]),
       )
-      for op in _hlo.collectives(hlo_text, num_devices)
+      for op in hlo.collectives(hlo_text, num_devices)
   ]
 
 

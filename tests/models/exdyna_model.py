@@ -1,4 +1,4 @@
-"""Independent NumPy model of ExDyna, written from ALGORITHMS.md sections 0-1.
+"""Independent NumPy model of published ExDyna, written from docs/algorithms.md.
 
 This model is deliberately written without looking at the JAX implementation:
 it is the executable form of the specification that the ``controller="reference"``

@@ -1,10 +1,11 @@
 """Independent NumPy models of MiCRO, Top-k, hard threshold, CLT-k and dense.
 
-Written from ALGORITHMS.md sections 0 and 2-5 (with the static-buffer rules of
-section 7), not from the JAX code. Every model takes per-worker flat gradients
-``grads[w, t, i]`` (float32, ``n`` workers, ``T`` steps, ``N`` elements) and
-returns a `Trace`: the aggregated update of every step, every worker's
-residual after every step, and the statistics the JAX transforms report.
+Written from docs/algorithms.md (the common frame, MiCRO, Top-k, hard
+threshold, CLT-k, with its static buffers), not from the JAX code. Every model
+takes per-worker flat gradients ``grads[w, t, i]`` (float32, ``n`` workers,
+``T`` steps, ``N`` elements) and returns a `Trace`: the aggregated update of
+every step, every worker's residual after every step, and the statistics the
+JAX transforms report.
 
 Conventions:
 
@@ -12,9 +13,9 @@ Conventions:
   indices are summed over workers in rank order in float32 and divided by
   ``n`` (JAX's ``psum`` may add in another order: compare updates with a
   tolerance, indices and residuals exactly).
-* Index-union exchange (section 0): every worker clears every transmitted
+* Index-union exchange (the common frame): every worker clears every transmitted
   index; Top-k and hard threshold take ``unique`` of the union.
-* Static buffers (section 7): a worker whose selection exceeds its buffer of
+* Static buffers: a worker whose selection exceeds its buffer of
   ``C`` slots sends its ``C`` lowest indices; the rest stay in its residual and
   are counted as overflow; the threshold rule sees the true counts.
 * MiCRO's threshold follows the published rule in float32:
@@ -80,7 +81,7 @@ def top_k(magnitudes: np.ndarray, k: int) -> np.ndarray:
 
 
 def aggregate(accumulated: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Index-union aggregation (section 0 steps 4-6) at ``indices`` (any order).
+  """Index-union aggregation (the common frame, steps 4-6) at ``indices`` (any order).
 
   Returns:
     ``(update [N], residuals [n, N])``.
@@ -127,7 +128,7 @@ def micro_partitions(num_elements: int, num_workers: int) -> tuple[list[int], li
 
 
 def micro(grads: np.ndarray, density: float, capacity: int) -> Trace:
-  """MiCRO (section 2) with the published threshold rule."""
+  """MiCRO (MiCRO) with the published threshold rule."""
   num_workers, num_steps, num_elements = grads.shape
   k = target(density, num_elements)
   starts, sizes = micro_partitions(num_elements, num_workers)
@@ -160,7 +161,7 @@ def micro(grads: np.ndarray, density: float, capacity: int) -> Trace:
 
 
 def topk(grads: np.ndarray, density: float) -> Trace:
-  """Top-k with error feedback (section 3); threshold = min_w k-th magnitude."""
+  """Top-k with error feedback (Top-k); threshold = min_w k-th magnitude."""
   num_workers, num_steps, num_elements = grads.shape
   k = target(density, num_elements)
   residuals = np.zeros((num_workers, num_elements), F32)
@@ -177,7 +178,7 @@ def topk(grads: np.ndarray, density: float) -> Trace:
 
 
 def hard_threshold(grads: np.ndarray, threshold: float, capacity: int) -> Trace:
-  """Hard threshold (section 4) over the whole vector, ``C`` lowest indices kept."""
+  """Hard threshold (hard threshold) over the whole vector, ``C`` lowest indices kept."""
   num_workers, num_steps, num_elements = grads.shape
   threshold = F32(threshold)
   residuals = np.zeros((num_workers, num_elements), F32)
@@ -194,7 +195,7 @@ def hard_threshold(grads: np.ndarray, threshold: float, capacity: int) -> Trace:
 
 
 def cltk(grads: np.ndarray, density: float) -> Trace:
-  """CLT-k (section 5): the leader ``t mod n``'s top-k, for everyone."""
+  """CLT-k (CLT-k): the leader ``t mod n``'s top-k, for everyone."""
   num_workers, num_steps, num_elements = grads.shape
   k = target(density, num_elements)
   residuals = np.zeros((num_workers, num_elements), F32)

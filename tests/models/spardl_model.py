@@ -1,4 +1,4 @@
-"""Independent NumPy model of SparDL (ALGORITHMS.md section 6), both schedules.
+"""Independent NumPy model of SparDL (docs/algorithms.md, SparDL), both schedules.
 
 Written literally from the text, worker by worker and message by message, in
 float32: no shared code with the JAX transform. Used to check the transform

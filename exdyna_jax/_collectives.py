@@ -1,0 +1,137 @@
+"""Collectives over the data-parallel axis, and what they cost.
+
+Helpers every sparsifier uses to talk across workers: the axis size with an
+error that says how to bind it, the varying-axes checks of
+``jax.shard_map(check_vma=True)``, an all-gather whose result is typed
+invariant where the context allows, a broadcast as one integer ``psum``, bit
+casts that let a float ride on an integer collective, and the bytes a ring
+collective sends per worker (the model `SparsifierStats.bytes_sent` uses).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+INDEX_BYTES = 4
+VALUE_BYTES = 4
+
+
+def axis_size(axis_name: str, *, unbound_message: str | None = None) -> int:
+  """Number of workers on ``axis_name``, with an error that says how to bind it.
+
+  Args:
+    axis_name: the mapped axis.
+    unbound_message: the error's text when the axis is not bound (default:
+      how to run a sparsifier per worker).
+
+  Raises:
+    ValueError: if ``axis_name`` is not bound in the calling context.
+  """
+  try:
+    return jax.lax.axis_size(axis_name)
+  except NameError:
+    raise ValueError(
+        unbound_message
+        or f"Axis {axis_name!r} is not bound. A sparsifier's init() and update() run "
+        "per worker: call them inside jax.shard_map (mesh axis "
+        f"{axis_name!r}), jax.pmap(..., axis_name={axis_name!r}) or "
+        f"jax.vmap(..., axis_name={axis_name!r}, axis_size=n); with plain jax.jit "
+        "use exdyna_jax.data_parallel(). Or pass axis_name= to match your mesh."
+    ) from None
+
+
+def _is_manual(axis_name: str) -> bool:
+  """True under shard_map or pmap, where collectives can return invariant values."""
+  return axis_name in jax.sharding.get_abstract_mesh().manual_axes
+
+
+def _tracks_varying(axis_name: str) -> bool:
+  """True under ``shard_map(check_vma=True)``, whose types say what varies."""
+  if not _is_manual(axis_name):
+    return False
+  return axis_name in jax.typeof(jax.lax.axis_index(axis_name)).manual_axis_type.varying
+
+
+def check_local(grads, axis_name: str) -> None:
+  """Rejects gradients that are already reduced over ``axis_name``.
+
+  Inside ``jax.shard_map(check_vma=True)``, ``jax.grad`` with respect to
+  replicated parameters returns the gradient already ``psum``-med over the
+  axis: sparsifying it would compress summed gradients after the dense traffic
+  was paid. The varying-axes type tells them apart.
+  """
+  if not _tracks_varying(axis_name):
+    return
+  for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    if axis_name not in jax.typeof(leaf).manual_axis_type.varying:
+      raise ValueError(
+          f"Gradient leaf {jax.tree_util.keystr(path)} is invariant over {axis_name!r}: "
+          "it was already summed across workers (jax.grad of replicated params "
+          "inside shard_map all-reduces the gradient densely). Differentiate a "
+          f"varying copy instead: jax.grad(loss)(jax.lax.pcast(params, {axis_name!r}, "
+          "to='varying'), batch), and put the sparsifier first in the chain."
+      )
+
+
+def per_worker(x: jax.Array, axis_name: str) -> jax.Array:
+  """Marks ``x`` as varying over ``axis_name`` where the context tracks it.
+
+  A residual starts as zeros (invariant) but becomes each worker's own after
+  the first step; inside ``jax.shard_map(check_vma=True)`` a ``lax.scan`` or
+  ``fori_loop`` over steps needs the carry's type to stay the same.
+  """
+  if not _tracks_varying(axis_name):
+    return x
+  return jax.lax.pcast(x, axis_name, to="varying")
+
+
+def all_gather(x: jax.Array, axis_name: str) -> jax.Array:
+  """Every worker's ``x``, stacked ``[n, ...]`` (row ``w`` from worker ``w``).
+
+  Identical on every worker, and typed so under ``shard_map`` (invariant), so
+  what is computed from it can leave through ``out_specs=P()``;
+  ``vmap(axis_name=...)`` has no invariant all-gather and gets the plain one.
+  """
+  if _is_manual(axis_name):
+    return jax.lax.all_gather(x, axis_name, to="invarying")
+  return jax.lax.all_gather(x, axis_name)
+
+
+def broadcast_from(x: jax.Array, source: jax.Array, axis_name: str) -> jax.Array:
+  """Worker ``source``'s ``x`` on every worker, as one integer ``psum``.
+
+  Every other worker contributes zeros. A ring all-reduce of ``M`` bytes
+  sends ``2 (n-1) / n M`` per worker, less than the ``(n-1) M`` of gathering
+  every worker's copy to keep one.
+
+  Args:
+    x: int32 array (integers add exactly).
+    source: int32 scalar rank of the worker whose ``x`` is kept.
+    axis_name: the data-parallel axis.
+
+  Returns:
+    ``x`` of worker ``source``, identical on every worker.
+  """
+  mine = jax.lax.axis_index(axis_name) == source
+  return jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis_name)
+
+
+def ring_all_gather_bytes(num_workers: int, message_bytes: int) -> int:
+  """Bytes one worker sends in a ring all-gather of ``M`` bytes per worker: ``(n-1) M``."""
+  return (num_workers - 1) * message_bytes
+
+
+def ring_all_reduce_bytes(num_workers: int, message_bytes: int) -> int:
+  """Bytes one worker sends in a ring all-reduce of ``M`` bytes: ``2 (n-1) / n M``."""
+  return 2 * (num_workers - 1) * message_bytes // num_workers
+
+
+def float_bits(x: jax.Array) -> jax.Array:
+  """The bits of a float32 as an int32, to ride on an integer collective."""
+  return jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
+
+
+def bits_float(x: jax.Array) -> jax.Array:
+  """Inverse of `float_bits`. On non-negative floats both orders agree."""
+  return jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.int32), jnp.float32)

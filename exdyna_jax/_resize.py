@@ -1,0 +1,140 @@
+"""Elastic resume: an optimizer state of ``n`` workers, resized to ``m``.
+
+A sparsifier's state belongs to its number of workers (one residual each,
+per-partition arrays of length ``n``), so a checkpoint cannot simply be
+restored onto another mesh. `resize_workers` builds the state ``m`` workers
+would have after a fresh ``init`` and carries over what does not depend on
+the worker count:
+
+- the **residual mass**: the sum over the old workers' residuals, the
+  gradient accumulated but not yet sent, is split evenly over the new ones
+  (error feedback is about that sum: each transmitted coordinate carries
+  the mean of all workers' accumulated gradients);
+- the controller's state: threshold, step counter, target correction, and
+  ExDyna's block-workload estimate when the block layout is the same for
+  ``m`` workers;
+- every other leaf of the chain (momentum, Adam moments, counters), which is
+  identical on every worker: worker 0's copy.
+
+What depends on ``n`` (partitions, per-worker scales, per-partition
+workloads, SparDL's rounds) is re-initialised, as ``init`` makes it; the
+rebalancer and the controller find their feet again within a few steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from exdyna_jax import _dense, _exdyna, _feedback, _spardl
+
+# Every sparsifier's state (all but dense's hold a residual).
+SPARSIFIER_STATES = (
+    _exdyna.ExDynaState, _feedback.ErrorFeedbackState, _spardl.SparDLState, _dense.DenseState
+)
+CARRIED_FIELDS = ("threshold", "step", "target_correction")  # identical on every worker
+
+
+def resize_workers(
+    tx: optax.GradientTransformation,
+    state: Any,
+    params: Any,
+    num_workers: int,
+    *,
+    axis_name: str = "data",
+) -> Any:
+  """Resizes an optimizer state held with a leading worker axis to ``num_workers``.
+
+  Args:
+    tx: the optimizer the state belongs to (the chain, sparsifier first).
+    state: its state with a leading worker axis of ``n`` on every leaf (as the
+      ``shard_map`` layout of the README and `exdyna_jax.data_parallel` hold
+      it), for example restored from a checkpoint onto the stored shapes.
+    params: the parameters.
+    num_workers: ``m``, the new number of workers.
+    axis_name: the sparsifier's data-parallel axis.
+
+  Returns:
+    The state for ``m`` workers, leaves ``[m, ...]`` on the host's default
+    device: place it on the new mesh as a fresh ``init`` would be (e.g.
+    ``jax.device_put`` with the state's sharding).
+
+  Raises:
+    ValueError: if ``num_workers`` is not a positive int, or the state's
+      leaves do not have a common leading worker axis matching ``tx``.
+
+  Example:
+    Eight workers ran a few steps; the job continues on four:
+
+    >>> import jax, jax.numpy as jnp, optax, exdyna_jax
+    >>> tx = optax.chain(exdyna_jax.exdyna(0.01), optax.sgd(0.1, momentum=0.9))
+    >>> params = jnp.zeros(4096)
+    >>> def run(grads):  # per worker: three steps from init
+    ...   state = tx.init(params)
+    ...   for g in grads:
+    ...     state = tx.update(g, state, params)[1]
+    ...   return state
+    >>> grads = jax.random.normal(jax.random.key(0), (8, 3, 4096))
+    >>> state = jax.vmap(run, axis_name="data", axis_size=8)(grads)
+    >>> smaller = exdyna_jax.resize_workers(tx, state, params, 4)
+    >>> optax.tree.get(smaller, "residual").shape
+    (4, 4096)
+    >>> before = optax.tree.get(state, "residual").sum(0)
+    >>> after = optax.tree.get(smaller, "residual").sum(0)
+    >>> bool(jnp.allclose(before, after, atol=1e-6))  # the mass not yet sent is kept
+    True
+  """
+  if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+    raise ValueError(f"num_workers must be a positive int, got {num_workers!r}.")
+  leading = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in jax.tree.leaves(state)}
+  if len(leading) != 1 or None in leading:
+    raise ValueError(
+        "resize_workers needs the state as the training step holds it: every leaf with a "
+        f"leading worker axis of the same length (found leading sizes {sorted(map(str, leading))})."
+    )
+  # Wherever they were restored: the result lives, uncommitted, on the default device.
+  state, params = jax.device_get((state, params))
+  fresh = jax.vmap(tx.init, in_axes=None, axis_name=axis_name, axis_size=num_workers)(params)
+  try:
+    return jax.tree.map(
+        lambda new, old: _resize(new, old, num_workers),
+        fresh,
+        state,
+        is_leaf=lambda x: isinstance(x, SPARSIFIER_STATES),
+    )
+  except ValueError as error:  # structures differ
+    raise ValueError(
+        f"The state does not belong to this optimizer (its tree differs from tx.init's): {error}"
+    ) from None
+
+
+def _resize(new: Any, old: Any, num_workers: int) -> Any:
+  if not isinstance(new, SPARSIFIER_STATES):  # the same on every worker: worker 0's copy
+    if jnp.shape(old)[1:] != jnp.shape(new)[1:]:
+      raise ValueError(
+          f"A leaf of shape {jnp.shape(old)[1:]} per worker is {jnp.shape(new)[1:]} for "
+          f"{num_workers} workers; only the sparsifier's own state may depend on the count."
+      )
+    return jnp.broadcast_to(jnp.asarray(old)[0], jnp.shape(new))
+  carried = {}
+  if "residual" in new._fields:
+    mass = jnp.sum(jnp.asarray(old.residual, jnp.float32), axis=0)
+    carried["residual"] = jnp.broadcast_to(mass / num_workers, new.residual.shape)
+  for name in CARRIED_FIELDS:
+    if name in new._fields:
+      carried[name] = jnp.broadcast_to(getattr(old, name)[0], getattr(new, name).shape)
+  if isinstance(new, _exdyna.ExDynaState) and old.block_workloads.shape[1:] == (
+      new.block_workloads.shape[1:]
+  ):
+    carried["block_workloads"] = jnp.broadcast_to(
+        old.block_workloads[0], new.block_workloads.shape
+    )
+  stats = new.stats._replace(
+      step=jnp.broadcast_to(old.stats.step[0], new.stats.step.shape),
+      threshold=jnp.broadcast_to(old.stats.threshold[0], new.stats.threshold.shape),
+      skipped_steps=jnp.broadcast_to(old.stats.skipped_steps[0], new.stats.skipped_steps.shape),
+  )
+  return new._replace(stats=stats, **carried)

@@ -1,0 +1,61 @@
+"""Options and models at the edges: what each sparsifier accepts, and the errors it names."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import exdyna_jax
+from tests.harness import AXIS
+
+METHODS_WITH_DENSITY = ("cltk", "exdyna", "hard_threshold", "micro", "spardl", "topk")
+
+
+def init_per_worker(tx, params, num_workers=2):
+  return jax.vmap(tx.init, in_axes=None, axis_name=AXIS, axis_size=num_workers)(params)
+
+
+@pytest.mark.parametrize("name", exdyna_jax.available_sparsifiers())
+def test_a_model_with_no_elements_is_refused_by_name(name):
+  options = {} if name == "dense" else {"density": 0.01}
+  tx = exdyna_jax.get_sparsifier(name, **options)
+  with pytest.raises(ValueError, match=r"no elements.*Leave empty parameters out"):
+    init_per_worker(tx, {"w": jnp.zeros((0,)), "b": jnp.zeros((0, 3))})
+
+
+@pytest.mark.parametrize(
+    "density", [np.float32(0.25), np.float64(0.25), jnp.float32(0.25), np.array(0.25)]
+)
+@pytest.mark.parametrize("name", METHODS_WITH_DENSITY)
+def test_numpy_and_jax_scalars_are_numbers(name, density):
+  params = {"w": jnp.zeros((64,))}
+  from_scalar = init_per_worker(exdyna_jax.get_sparsifier(name, density=density), params)
+  from_float = init_per_worker(exdyna_jax.get_sparsifier(name, density=0.25), params)
+  chex.assert_trees_all_equal(from_scalar, from_float)
+
+
+def test_integer_and_factor_options_take_numpy_scalars():
+  params = {"w": jnp.zeros((4096,))}
+  tx = exdyna_jax.exdyna(0.01, num_blocks=np.int64(64), capacity_factor=np.float32(1.5))
+  state = init_per_worker(tx, params, num_workers=4)
+  assert int(state.partition_sizes[0].sum()) == 64
+  hard = exdyna_jax.hard_threshold(threshold=np.float32(0.5), capacity=np.int32(8))
+  assert float(init_per_worker(hard, params).stats.threshold[0]) == 0.5
+
+
+@pytest.mark.parametrize("factor", [float("inf"), float("nan"), 0.0, -1.0])
+@pytest.mark.parametrize("name", ["exdyna", "micro", "hard_threshold"])
+def test_capacity_factor_must_be_positive_and_finite(name, factor):
+  with pytest.raises(ValueError, match="capacity_factor must be positive and finite"):
+    exdyna_jax.get_sparsifier(name, density=0.01, capacity_factor=factor)
+
+
+@pytest.mark.parametrize("value", [True, "0.01", None, [0.01], np.zeros(2)])
+def test_non_numbers_are_refused_as_such(value):
+  with pytest.raises(TypeError, match="density must be a number"):
+    exdyna_jax.exdyna(value)
+  with pytest.raises(TypeError, match="num_blocks must be an int"):
+    exdyna_jax.exdyna(0.01, num_blocks=2.5 if value is None else value)

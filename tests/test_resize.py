@@ -1,0 +1,101 @@
+"""resize_workers: a state of n workers continues on m, with nothing of the residual lost.
+
+Conservation across the resizes is the specification: over a whole run,
+8 -> 4 -> 8 workers, what every worker was given equals what was applied
+(each step's update times that step's worker count) plus what the residuals
+still hold.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import exdyna_jax
+from tests.harness import AXIS
+
+N = 2048
+STEPS = 3
+OPTIONS = {"dense": {}, "exdyna": {"density": 0.02, "num_blocks": 64}}
+
+
+def make_tx(name):
+  return exdyna_jax.get_sparsifier(name, **OPTIONS.get(name, {"density": 0.02}))
+
+
+def stepper(tx):
+  """``(state [n, ...], grads [n, T, N]) -> (state, update of every step)``, jitted."""
+  params = jnp.zeros(N)
+
+  def per_worker(state, grads):
+    def step(state, g):
+      update, state = tx.update(g, state, params)
+      return state, update
+
+    return jax.lax.scan(step, state, grads)
+
+  @jax.jit
+  def run(state, grads):
+    state, updates = jax.vmap(per_worker, axis_name=AXIS, axis_size=grads.shape[0])(state, grads)
+    return state, updates[0]  # identical on every worker
+
+  return run
+
+
+def residual_sum(state):
+  residual = optax.tree.get(state, "residual")
+  return np.zeros(N) if residual is None else np.asarray(residual, np.float64).sum(0)
+
+
+@pytest.mark.parametrize("name", exdyna_jax.available_sparsifiers())
+def test_eight_to_four_to_eight_workers_keeps_the_mass(name):
+  tx = make_tx(name)
+  params = jnp.zeros(N)
+  rng = np.random.default_rng(0)
+  given = np.zeros(N)
+  applied = np.zeros(N)
+  state = jax.vmap(tx.init, in_axes=None, axis_name=AXIS, axis_size=8)(params)
+  run = stepper(tx)  # compiles once per worker count
+  for workers in (8, 4, 8):
+    if optax.tree.get(state, "stats").workloads.shape[0] != workers:
+      before = residual_sum(state)
+      state = exdyna_jax.resize_workers(tx, state, params, workers)
+      np.testing.assert_allclose(residual_sum(state), before, rtol=0, atol=1e-5)
+    assert optax.tree.get(state, "stats").workloads.shape[0] == workers
+    grads = rng.standard_t(3, size=(workers, STEPS, N)).astype(np.float32)
+    state, updates = run(state, grads)
+    updates = np.asarray(updates, np.float64)
+    given += grads.astype(np.float64).sum(axis=(0, 1))
+    applied += workers * updates.sum(axis=0)
+    assert np.isfinite(updates).all() and np.isfinite(residual_sum(state)).all()
+  np.testing.assert_allclose(residual_sum(state) + applied, given, rtol=0, atol=1e-4)
+  assert int(optax.tree.get(state, "stats").step[0]) == 3 * STEPS
+
+
+def test_the_rest_of_the_chain_and_the_controller_carry_over():
+  tx = optax.chain(make_tx("exdyna"), optax.sgd(0.1, momentum=0.9))
+  params = jnp.zeros(N)
+  grads = np.random.default_rng(1).normal(size=(8, 3, N)).astype(np.float32)
+  state = jax.vmap(tx.init, in_axes=None, axis_name=AXIS, axis_size=8)(params)
+  state, _ = stepper(tx)(state, grads)
+  resized = exdyna_jax.resize_workers(tx, state, params, 2)
+  np.testing.assert_array_equal(resized[1][0].trace, np.stack([state[1][0].trace[0]] * 2))
+  np.testing.assert_array_equal(resized[0].threshold, np.full(2, state[0].threshold[0]))
+  np.testing.assert_array_equal(resized[0].step, [3, 3])
+  assert resized[0].partition_sizes.shape == (2, 2)
+  assert int(resized[0].partition_sizes[0].sum()) == 64
+
+
+def test_a_state_of_another_optimizer_or_layout_is_refused():
+  tx = make_tx("topk")
+  params = jnp.zeros(N)
+  state = jax.vmap(tx.init, in_axes=None, axis_name=AXIS, axis_size=4)(params)
+  with pytest.raises(ValueError, match="does not belong to this optimizer"):
+    exdyna_jax.resize_workers(optax.chain(tx, optax.sgd(0.1)), state, params, 2)
+  with pytest.raises(ValueError, match="leading worker axis"):
+    exdyna_jax.resize_workers(tx, jax.tree.map(lambda x: x[0], state), params, 2)
+  with pytest.raises(ValueError, match="positive int"):
+    exdyna_jax.resize_workers(tx, state, params, 0)
