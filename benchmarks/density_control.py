@@ -182,6 +182,7 @@ def main():
           "workload": workload,
           "method": method,
           "density": density,
+          "workers": args.workers,
           "elements": int(num_elements),
           "target": target,
           "metrics": metrics,

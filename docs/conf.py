@@ -36,6 +36,11 @@ autodoc_typehints = "signature"
 autodoc_member_order = "bysource"
 autodoc_preserve_defaults = True
 
+# `name` in a docstring is a cross-reference (resolved in the documented
+# module, so `exdyna` links to exdyna_jax.exdyna); a name with no page, such
+# as a private helper, renders as code. Without this, Sphinx's default role
+# would render every `name` as <cite> italics.
+default_role = "py:obj"
 nitpicky = False
 
 html_theme = "alabaster"

@@ -10,11 +10,34 @@ collective sends per worker (the model `SparsifierStats.bytes_sent` uses).
 
 from __future__ import annotations
 
+import weakref
+
 import jax
 import jax.numpy as jnp
+import optax
 
 INDEX_BYTES = 4
 VALUE_BYTES = 4
+
+# The data-parallel axis of each sparsifier built here, by its init function:
+# what `hierarchical` checks before wrapping one.
+_AXIS_OF_INIT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def over_axis(
+    tx: optax.GradientTransformationExtraArgs, axis_name: str
+) -> optax.GradientTransformationExtraArgs:
+  """Records that ``tx`` exchanges over ``axis_name`` (see `axis_of`); returns ``tx``."""
+  _AXIS_OF_INIT[tx.init] = axis_name
+  return tx
+
+
+def axis_of(tx: optax.GradientTransformation) -> str | None:
+  """The axis a sparsifier of this package exchanges over, or None for any other transform."""
+  try:
+    return _AXIS_OF_INIT.get(tx.init)
+  except TypeError:  # an init that cannot be weakly referenced: not ours
+    return None
 
 
 def axis_size(axis_name: str, *, unbound_message: str | None = None) -> int:

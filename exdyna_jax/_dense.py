@@ -94,4 +94,6 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
     )
     return mean, DenseState(stats)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return _collectives.over_axis(
+      optax.GradientTransformationExtraArgs(init_fn, update_fn), axis_name
+  )

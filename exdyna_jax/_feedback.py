@@ -97,8 +97,13 @@ def error_feedback_transform(
     The optax transformation.
   """
 
+  # The trees init() was given, by element count: with update(params=None) the
+  # gradient's tree is checked against them (the state itself holds only N).
+  init_trees: dict[int, set] = {}
+
   def init_fn(params: Any) -> Any:
     layout = _layout.layout_of(params, what="params")
+    init_trees.setdefault(layout.num_elements, set()).add((layout.treedef, layout.shapes))
     num_workers = _collectives.axis_size(axis_name)
     residual = jnp.zeros((layout.num_elements,), _layout.ACCUMULATION_DTYPE)
     return init_state(
@@ -108,6 +113,14 @@ def error_feedback_transform(
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     layout, num_workers = check_update(updates, state, params, axis_name)
+    known = init_trees.get(layout.num_elements)
+    if params is None and known and (layout.treedef, layout.shapes) not in known:
+      raise ValueError(
+          f"The gradient tree {layout.treedef} with leaf shapes {layout.shapes} is not the "
+          "tree init() was given, though it has as many elements: the residual is laid out "
+          "by the init tree. Call init() with the same tree you pass to update(), or pass "
+          "params= to update() to have both compared."
+      )
     nonfinite = count_nonfinite(updates, axis_name)
     accumulated = accumulate(updates, state.residual, nonfinite)  # [1, N]
 
@@ -133,7 +146,9 @@ def error_feedback_transform(
     residual = sparse.clear(accumulated)[0]
     return _layout.unflatten(update, layout), rest._replace(residual=residual, stats=stats)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return _collectives.over_axis(
+      optax.GradientTransformationExtraArgs(init_fn, update_fn), axis_name
+  )
 
 
 def keep_what_rounding_loses(

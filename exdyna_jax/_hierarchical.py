@@ -193,6 +193,13 @@ def hierarchical(
     raise ValueError(
         f"fast_reduce must be one of {FAST_REDUCE_MODES}, got {fast_reduce!r}."
     )
+  if _collectives.axis_of(sparsifier) == fast_axis:
+    raise ValueError(
+        f"The sparsifier exchanges over {fast_axis!r}, the fast axis: its selections would "
+        "stay inside each node and the nodes would drift apart. Build it over the slow "
+        "axis, e.g. hierarchical(exdyna_jax.exdyna(0.001, axis_name='node'), "
+        f"fast_axis={fast_axis!r})."
+    )
   if fast_reduce == "psum":
     return _psum_mode(sparsifier, fast_axis)
   return _scatter_mode(sparsifier, fast_axis)

@@ -59,3 +59,19 @@ def test_non_numbers_are_refused_as_such(value):
     exdyna_jax.exdyna(value)
   with pytest.raises(TypeError, match="num_blocks must be an int"):
     exdyna_jax.exdyna(0.01, num_blocks=2.5 if value is None else value)
+
+
+@pytest.mark.parametrize("name", ["exdyna", "topk", "spardl"])
+def test_without_params_a_regrouped_tree_of_the_same_size_is_refused(name):
+  """update(params=None) still checks the tree against the one init() was given."""
+  tx = exdyna_jax.get_sparsifier(name, density=0.01)
+  built_for = {"a": jnp.zeros((2048,)), "b": jnp.zeros((2048,))}
+  state = init_per_worker(tx, built_for)
+
+  def update(grads):
+    return jax.vmap(lambda g, s: tx.update(g, s), axis_name=AXIS, axis_size=2)(grads, state)
+
+  for other in ({"z": jnp.ones((2, 4096))}, {"a": jnp.ones((2, 64, 32)), "b": jnp.ones((2, 2048))}):
+    with pytest.raises(ValueError, match=r"not the tree init\(\) was given"):
+      update(other)
+  update(jax.tree.map(lambda p: jnp.ones((2, *p.shape)), built_for))  # the init tree is fine

@@ -22,7 +22,7 @@ import exdyna_jax
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = ["index", "quickstart", "how_exdyna_works", "choosing_a_method", "usage", "multihost",
-         "checkpointing", "benchmarks", "reproducing_papers", "bad_inputs", "api"]
+         "checkpointing", "benchmarks", "reproducing_papers", "bad_inputs", "package_map", "api"]
 
 
 def test_api_page_lists_every_public_name():
@@ -62,6 +62,14 @@ def test_docs_build_without_warnings(site):
   for name in exdyna_jax.available_sparsifiers():  # a row of the methods table each
     assert f'<td><p><code class="docutils literal notranslate"><span class="pre">{name}</span>' \
         in choosing, name
+
+
+def test_api_cross_references_are_links(site):
+  """`name` in a docstring links to that name's entry; nothing renders as <cite>."""
+  api = (site / "api.html").read_text()
+  assert "<cite>" not in api
+  for name in ("exdyna", "SparsifierStats", "get_stats", "ExDynaState", "data_parallel"):
+    assert f'href="#exdyna_jax.{name}"' in api, name
 
 
 def test_api_page_shows_every_docstring_example(site):

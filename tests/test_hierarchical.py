@@ -503,6 +503,18 @@ def test_fast_axis_must_be_bound():
     exdyna_jax.hierarchical(exdyna_jax.dense(), fast_reduce="mean")
 
 
+@pytest.mark.parametrize("name", exdyna_jax.available_sparsifiers())
+def test_a_sparsifier_over_the_fast_axis_is_refused(name):
+  """It would select inside each node only: the nodes would silently drift apart."""
+  options = {} if name == "dense" else {"density": DENSITY}
+  on_fast = exdyna_jax.get_sparsifier(name, axis_name=LOCAL, **options)
+  for mode in MODES:
+    with pytest.raises(ValueError, match=r"over 'local', the fast axis.*axis_name='node'"):
+      exdyna_jax.hierarchical(on_fast, fast_axis=LOCAL, fast_reduce=mode)
+  on_slow = exdyna_jax.get_sparsifier(name, axis_name=NODE, **options)
+  exdyna_jax.hierarchical(on_slow, fast_axis=LOCAL)  # the documented way is accepted
+
+
 def _nested_vmap(fn, num_nodes: int = 2, num_local: int = 2):
   inner = jax.vmap(fn, axis_name=LOCAL, axis_size=num_local)
   return jax.jit(jax.vmap(inner, axis_name=NODE, axis_size=num_nodes))

@@ -147,8 +147,10 @@ def check(name, num_workers, leaves, k, seed):
   tolerance = num_workers * np.abs(u) * eps + 1e-5 * (1 + np.abs(accumulated).sum(axis=0))
   assert (np.abs(kept - accumulated.sum(axis=0)) <= tolerance).all()
   if name in ERROR_FEEDBACK:
-    # Every transmitted index is cleared on every worker, and nothing else is.
-    cleared = (residuals == 0).all(axis=0) & (accumulated != 0).any(axis=0)
+    # Every transmitted index is cleared on every worker, and nothing else is
+    # (a bfloat16/float16 leaf keeps what rounding the update to it lost).
+    rounding = np.where(eps > EPS[jnp.dtype(jnp.float32)], eps * np.abs(u), 0.0)
+    cleared = (np.abs(residuals) <= rounding).all(axis=0) & (accumulated != 0).any(axis=0)
     np.testing.assert_array_equal(cleared.sum(axis=-1), stats.transmitted)
     assert not (u != 0)[~cleared].any()
   else:  # SparDL: one value per selected index, all of them nonzero here

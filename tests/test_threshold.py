@@ -41,8 +41,14 @@ def numpy_solve(thresholds, counts, target, largest=None):
   return float(np.exp(log_new))
 
 
+# The 17 probe offsets (octaves) at which the counts below were measured; the
+# solver takes any ascending probes, so its tests keep them.
+MEASURED_OCTAVES = (-1, -1 / 4, -1 / 8, -1 / 16, -1 / 32, -1 / 64, -1 / 128, -1 / 256, 0,
+                    1 / 256, 1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1)
+
+
 def probes(previous=0.01):
-  return previous * np.asarray(_threshold.ADAPTIVE_PROBE_RATIOS, np.float32)
+  return previous * np.exp2(np.asarray(MEASURED_OCTAVES)).astype(np.float32)
 
 
 def solve(thresholds, counts, target):
@@ -55,9 +61,11 @@ def solve(thresholds, counts, target):
 
 def test_probes_are_dense_next_to_the_previous_threshold_and_span_two_octaves():
   octaves = np.asarray(_threshold.ADAPTIVE_PROBE_OCTAVES)
-  assert len(octaves) == 17 and np.all(np.diff(octaves) > 0)
+  assert len(octaves) == 19 and np.all(np.diff(octaves) > 0)
   assert octaves[0] == -1 and octaves[-1] == 1 and 0 in octaves
-  assert np.min(np.abs(np.diff(octaves))) == pytest.approx(1 / 256)
+  assert np.min(np.abs(np.diff(octaves))) == pytest.approx(1 / 512)
+  # 19 probes still pack into four count words of five 6-bit fields.
+  assert -(-len(octaves) // _selection.FIELDS_PER_WORD) == 4
 
 
 def test_a_power_law_curve_is_inverted_exactly():
