@@ -515,8 +515,12 @@ def density_sections(rep: Report, density: dict | None) -> None:
     rep.add("## 5. Balance")
     return
   runs = density["runs"]
+  targets_workers = next(
+    (r.get("workers", density["workers"]) for r in runs if r["label"] == "after"),
+    density["workers"],
+  )
   rep.add(
-    f"`benchmarks/density_control.py`: n = {density['workers']} workers simulated with "
+    f"`benchmarks/density_control.py`: n = {targets_workers} workers simulated with "
     f"`jax.vmap(axis_name=)`, {density['steps']} steps, default `exdyna(d)`. What the user "
     "gets: sent/k = indices transmitted over k = floor(d N) (1 is what was asked for); "
     "overflow = elements that passed the threshold but did not fit a buffer (they stay in "

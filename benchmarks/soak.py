@@ -27,6 +27,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
@@ -129,17 +130,10 @@ def build(method: str, num_workers: int, chunk: int):
     return add(params), add(opt_state), add(records)
 
   sharded = P(AXIS)
-  init = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=P(), out_specs=sharded))
-  run_chunk = jax.jit(
-    jax.shard_map(
-      run_chunk,
-      mesh=mesh,
-      in_specs=(sharded, sharded, P(), P()),
-      out_specs=sharded,
-      check_vma=False,
-    )
-  )
-  return init, run_chunk
+  per_worker = functools.partial(jax.shard_map, mesh=mesh, out_specs=sharded)
+  init = per_worker(init, in_specs=P())
+  run_chunk = per_worker(run_chunk, in_specs=(sharded, sharded, P(), P()), check_vma=False)
+  return jax.jit(init), jax.jit(run_chunk)
 
 
 def check_chunk(method: str, records, params, num_elements: int, num_workers: int) -> list[str]:

@@ -1,10 +1,12 @@
 """The optax shell every error-feedback sparsifier shares.
 
-ExDyna, MiCRO, Top-k, hard threshold and CLT-k differ only in how one step
-turns this worker's accumulated gradient ``a = g + m`` into the aggregated
-update and the method's new state. The shell does the rest:
-it checks the gradient tree, flattens it, adds the residual, guards against
-non-finite gradients, and unflattens the update.
+ExDyna, MiCRO, Top-k, hard threshold, CLT-k and SparDL differ only in how
+one step turns this worker's accumulated gradient ``a = g + m`` into the
+aggregated update (a `_exchange.SparseUpdate`) and the method's new state.
+The shell does the rest: it checks the gradient tree, flattens it, adds the
+residual, guards against non-finite gradients, writes the update and the new
+residual in place, keeps in the residual what rounding the update to a
+narrow leaf dtype loses, and unflattens the update.
 
 Non-finite policy (every registered method, SparDL and dense included, through
 `count_nonfinite` and `skip_if_nonfinite`): if the gradient ``g`` of *any*
@@ -89,9 +91,10 @@ def error_feedback_transform(
       ``N`` and ``n``).
     step: ``(accumulated, state, n) -> (sparse_update, new_state)``, run per
       worker inside the mapped context on the previous ``state``. The shell
-      writes the `SparseUpdate` into the dense update and clears its indices
-      in the accumulated gradient to form the new residual; ``new_state``'s
-      own ``residual`` field is ignored.
+      writes the `SparseUpdate` into the dense update and its ``kept``
+      values (zero by default) at its indices in the accumulated gradient to
+      form the new residual; ``new_state``'s own ``residual`` field is
+      ignored.
 
   Returns:
     The optax transformation.
