@@ -61,8 +61,7 @@ def check_num_blocks(num_blocks: int | None) -> int | None:
   """Returns ``num_blocks`` as an int (or None), or raises if it is not a positive int."""
   if num_blocks is None:
     return None
-  return _check(num_blocks, "num_blocks", numbers.Integral, lambda b: b >= 1,
-                "a positive int or None")
+  return check_positive_int(num_blocks, "num_blocks", "or None for the default")
 
 
 def target_count(density: float, num_elements: int) -> int:
@@ -89,7 +88,6 @@ def capacity(capacity_factor: float, target: int, num_workers: int, num_elements
 CAPACITY_BURST = 2.3
 CAPACITY_NOISE = 4.0
 REFERENCE_CAPACITY_FACTOR = 1.5  # with the published exchange (every slot's value summed)
-
 
 
 def default_capacity_factor(target: int, num_workers: int, controller: str) -> float:
@@ -130,7 +128,12 @@ def check_threshold(threshold: float) -> float:
   )
 
 
+def check_positive_int(value: int, name: str, meaning: str = "") -> int:
+  """Returns ``value`` as an int, or raises if it is not a positive int (``meaning`` explains)."""
+  return _check(value, name, numbers.Integral, lambda v: v >= 1,
+                f"a positive int{f' ({meaning})' if meaning else ''}")
+
+
 def check_capacity(capacity: int) -> int:
   """Returns ``capacity`` (index slots per worker), or raises if not a positive int."""
-  return _check(capacity, "capacity", numbers.Integral, lambda c: c >= 1,
-                "a positive int (index slots per worker)")
+  return check_positive_int(capacity, "capacity", "index slots per worker")

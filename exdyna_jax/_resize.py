@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax import _dense, _exdyna, _feedback, _spardl
+from exdyna_jax import _dense, _exdyna, _feedback, _options, _spardl
 
 # Every sparsifier's state (all but dense's hold a residual).
 SPARSIFIER_STATES = (
@@ -63,8 +63,9 @@ def resize_workers(
     ``jax.device_put`` with the state's sharding).
 
   Raises:
-    ValueError: if ``num_workers`` is not a positive int, or the state's
-      leaves do not have a common leading worker axis matching ``tx``.
+    ValueError: if ``num_workers`` is below 1, or the state's leaves do not
+      have a common leading worker axis matching ``tx``.
+    TypeError: if ``num_workers`` is not an int.
 
   Example:
     Eight workers ran a few steps; the job continues on four:
@@ -87,8 +88,7 @@ def resize_workers(
     >>> bool(jnp.allclose(before, after, atol=1e-6))  # the mass not yet sent is kept
     True
   """
-  if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-    raise ValueError(f"num_workers must be a positive int, got {num_workers!r}.")
+  num_workers = _options.check_positive_int(num_workers, "num_workers")
   leading = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in jax.tree.leaves(state)}
   if len(leading) != 1 or None in leading:
     raise ValueError(
