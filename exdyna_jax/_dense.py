@@ -90,7 +90,7 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
         ),
     )
     mean, stats = _feedback.skip_if_nonfinite(
-        nonfinite, lambda: (mean, stats), state.stats, num_workers
+        nonfinite, lambda: (mean, stats), state.stats, num_workers, axis_name
     )
     return mean, DenseState(stats)
 

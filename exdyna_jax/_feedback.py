@@ -139,6 +139,7 @@ def error_feedback_transform(
         run_step,
         state.stats,
         num_workers,
+        axis_name,
         skipped=lambda shapes: (
             _exchange.SparseUpdate.nothing(shapes[0], layout.num_elements, axis_name),
             without_residual_and_stats(state),
@@ -288,21 +289,26 @@ def skip_if_nonfinite(
     step: Callable[[], tuple[Any, _stats.SparsifierStats]],
     previous_stats: _stats.SparsifierStats,
     num_workers: int,
+    axis_name: str,
     *,
     skipped: Callable[[Any], Any] | None = None,
 ) -> tuple[Any, _stats.SparsifierStats]:
   """The non-finite policy, shared by every method: skip the step on all workers.
 
-  ``step`` runs inside a ``lax.cond``, so a finite step costs nothing extra
+  ``step`` runs inside a ``lax.switch``, so a finite step costs nothing extra
   and a skipped one does no work. ``nonfinite`` is the same on every worker,
   so all of them take the same branch and the collectives inside ``step``
-  stay matched.
+  stay matched. The same switch stops a state whose recorded worker count
+  is not ``n`` (`_stats.raise_if_resized`, on the host): its arrays were cut
+  or padded to fit, and stepping it would silently lose residuals.
 
   Args:
     nonfinite: int32 `count_nonfinite` of this step's gradients.
     step: ``() -> (output, stats)``, the step proper.
     previous_stats: the stats before the step.
-    num_workers: ``n``, to price the count's ``psum`` in ``stats.bytes_sent``.
+    num_workers: ``n``, to price the count's ``psum`` in ``stats.bytes_sent``
+      and to check ``previous_stats.num_workers`` against.
+    axis_name: the data-parallel axis, for the message.
     skipped: maps the shapes of ``step``'s output (``jax.ShapeDtypeStruct``
       leaves) to the output of a skipped step; by default zeros.
 
@@ -314,6 +320,7 @@ def skip_if_nonfinite(
     nothing else).
   """
   skip = nonfinite > 0
+  resized = previous_stats.num_workers != num_workers
   if skipped is None:
     skipped = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype))
 
@@ -322,12 +329,22 @@ def skip_if_nonfinite(
     silent = previous_stats._replace(bytes_sent=jnp.zeros_like(previous_stats.bytes_sent))
     return skipped(output_shapes), silent
 
-  output, stats = jax.lax.cond(skip, skip_step, step)
+  def stop_resized():  # raises on the host; no collective, like a skipped step
+    jax.debug.callback(
+        functools.partial(_stats.raise_if_resized, num_workers=num_workers, axis_name=axis_name),
+        previous_stats.num_workers,
+    )
+    return skip_step()
+
+  # One conditional for both checks (a GPU reads its predicate back once).
+  branch = jnp.where(resized, 2, skip.astype(jnp.int32))
+  output, stats = jax.lax.switch(branch, (step, skip_step, stop_resized))
   count_bytes = _collectives.ring_all_reduce_bytes(num_workers, _collectives.INDEX_BYTES)
   stats = stats._replace(
       nonfinite=nonfinite,
       skipped_steps=previous_stats.skipped_steps + skip.astype(jnp.int32),
       bytes_sent=stats.bytes_sent + count_bytes,
+      num_workers=previous_stats.num_workers,
   )
   return output, stats
 

@@ -1,23 +1,27 @@
-"""Using a sparsifier from plain ``jax.jit`` with ``NamedSharding`` (pjit style).
+"""Data-parallel training with a sparsifier: the wiring of ``jax.shard_map`` and ``jax.jit``.
 
 A sparsifier needs each worker's *local* gradient, and its state (the
-residual above all) differs from worker to worker. Under plain ``jax.jit`` the
-gradient of a loss over a sharded batch is the global one, already summed by
-a dense all-reduce that XLA inserts, and there is no notion of a worker.
-`data_parallel` hides the ``jax.shard_map`` that restores both: per-worker
-gradients come out stacked along a leading axis sharded over the mesh axis,
-and every leaf of the optimizer state gets the same leading axis, so no
-partition spec is ever written by hand.
+residual above all) differs from worker to worker. `data_parallel` hides the
+``jax.shard_map`` that gives both: a per-worker training step sees its own
+batch shard and its own state, while outside it every leaf of the optimizer
+state carries a leading worker axis sharded over the mesh axis, so no
+partition spec is ever written by hand. Under plain ``jax.jit`` (where the
+gradient of a loss over a sharded batch is the global one, already summed
+by a dense all-reduce XLA inserts) its ``value_and_grad`` returns the
+per-worker gradients stacked along that axis instead.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import optax
 from jax import P
+
+from exdyna_jax import _stats
 
 
 def add_worker_axis(tree):
@@ -31,11 +35,25 @@ def drop_worker_axis(tree):
 
 
 class DataParallel(NamedTuple):
-  """An optimizer and a gradient function for data parallelism under ``jax.jit``.
+  """Data-parallel training with a sparsifier, under ``jax.jit`` or ``jax.shard_map``.
+
+  Two ways to write the training step: decorate a *per-worker* step with
+  ``step`` (it sees its own batch shard and its own optimizer state, no
+  worker axis; the shortest path), or call ``value_and_grad`` and ``update``
+  from a step of your own under plain ``jax.jit`` (pjit style).
 
   Attributes:
     init: ``params -> opt_state``; every state leaf has a leading axis of size
       ``n`` sharded over the mesh axis (one slice per worker).
+    step: decorator: ``per_worker_step -> train_step``.
+      ``per_worker_step(params, opt_state, batch, *args) -> (params,
+      opt_state, *aux)`` runs on every worker with the replicated
+      ``params``, this worker's optimizer state (no worker axis) and its
+      shard of ``batch`` (leading axis split over the mesh axis); ``args``
+      are replicated. ``train_step`` takes and returns the same, with the
+      state's worker axis; it is jitted, with ``params`` and ``opt_state``
+      donated (updated in place), and each ``aux`` leaf (a loss, say) comes
+      back with a leading worker axis, one value per worker.
     update: ``(worker_grads, opt_state, params) -> (updates, opt_state)``;
       ``worker_grads`` leaves have the leading worker axis (as
       ``value_and_grad`` returns them); ``updates`` are replicated and shaped
@@ -44,6 +62,8 @@ class DataParallel(NamedTuple):
       (mean loss, worker_grads)``: each worker differentiates ``loss_fn`` on
       its own shard of ``batch`` (leading axis sharded over the mesh axis), and
       no gradient is all-reduced.
+    stats: ``opt_state -> SparsifierStats`` without the worker axis (the
+      stats are identical on every worker).
 
   Example:
     ``value_and_grad`` returns one gradient per worker, stacked on a leading
@@ -59,18 +79,20 @@ class DataParallel(NamedTuple):
     >>> loss.shape, grads["w"].shape
     ((), (8, 64, 4))
     >>> dp._fields
-    ('init', 'update', 'value_and_grad')
+    ('init', 'step', 'update', 'value_and_grad', 'stats')
   """
 
   init: Callable[[Any], Any]
+  step: Callable[[Callable[..., tuple]], Callable[..., tuple]]
   update: Callable[..., tuple[Any, Any]]
   value_and_grad: Callable[[Callable[..., jax.Array]], Callable[..., tuple[jax.Array, Any]]]
+  stats: Callable[[Any], Any]
 
 
 def data_parallel(
     tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, *, axis_name: str = "data"
 ) -> DataParallel:
-  """Wraps an optimizer whose first stage is a sparsifier for pjit-style training.
+  """Wires an optimizer whose first stage is a sparsifier for data-parallel training.
 
   Args:
     tx: the optimizer, e.g. ``optax.chain(exdyna_jax.exdyna(...), ...)``.
@@ -78,23 +100,43 @@ def data_parallel(
     axis_name: the data-parallel mesh axis.
 
   Returns:
-    A `DataParallel` of ``init``, ``update`` and ``value_and_grad``.
+    A `DataParallel` of ``init``, ``step``, ``update``, ``value_and_grad``
+    and ``stats``.
 
   Raises:
     ValueError: if ``mesh`` has no axis ``axis_name``.
 
   Example:
-    A linear model trained on the 8 forced CPU devices, with the batch
-    sharded over ``"data"`` and no ``shard_map`` in user code:
+    The shortest path: a per-worker step, decorated. A linear model on the
+    8 forced CPU devices, each worker with its own eighth of the batch:
 
     >>> import jax, jax.numpy as jnp, optax, exdyna_jax
-    >>> from jax import P
     >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    >>> dp = exdyna_jax.data_parallel(
-    ...     optax.chain(exdyna_jax.exdyna(0.01, num_blocks=32), optax.sgd(0.1)), mesh)
+    >>> tx = optax.chain(exdyna_jax.exdyna(0.01, num_blocks=32), optax.sgd(0.1))
+    >>> dp = exdyna_jax.data_parallel(tx, mesh)
     >>> def loss_fn(params, batch):
     ...   x, y = batch
     ...   return jnp.mean((x @ params["w"] - y) ** 2)
+    >>> @dp.step
+    ... def train_step(params, opt_state, batch):  # per worker: no worker axis here
+    ...   loss, grads = jax.value_and_grad(loss_fn)(params, batch)  # its own gradient
+    ...   updates, opt_state = tx.update(grads, opt_state, params)
+    ...   return optax.apply_updates(params, updates), opt_state, loss
+    >>> params = {"w": jnp.zeros((64, 64))}
+    >>> opt_state = dp.init(params)
+    >>> x = jax.random.normal(jax.random.key(0), (32, 64))
+    >>> for _ in range(5):
+    ...   params, opt_state, losses = train_step(params, opt_state, (x, 2 * x))
+    >>> losses.shape  # one loss per worker
+    (8,)
+    >>> stats = dp.stats(opt_state)  # identical on every worker: no worker axis
+    >>> int(stats.step), stats.partition_sizes.shape  # a size per partition
+    (5, (8,))
+
+    The same model under plain ``jax.jit``, with the batch sharded over
+    ``"data"`` and no ``shard_map`` in user code:
+
+    >>> from jax import P
     >>> replicated = jax.NamedSharding(mesh, P())  # as train_step returns them: no recompile
     >>> params = jax.device_put({"w": jnp.zeros((64, 64))}, replicated)
     >>> opt_state = dp.init(params)
@@ -102,7 +144,7 @@ def data_parallel(
     >>> residual.shape, residual.sharding.spec == P("data")
     ((8, 4096), True)
     >>> @jax.jit
-    ... def train_step(params, opt_state, batch):  # batch sharded P("data")
+    ... def jit_train_step(params, opt_state, batch):  # batch sharded P("data")
     ...   loss, grads = dp.value_and_grad(loss_fn)(params, batch)
     ...   updates, opt_state = dp.update(grads, opt_state, params)
     ...   return optax.apply_updates(params, updates), opt_state, loss
@@ -110,7 +152,7 @@ def data_parallel(
     >>> batch = jax.device_put((x, 2 * x), jax.NamedSharding(mesh, P("data")))
     >>> losses = []
     >>> for _ in range(5):
-    ...   params, opt_state, loss = train_step(params, opt_state, batch)
+    ...   params, opt_state, loss = jit_train_step(params, opt_state, batch)
     ...   losses.append(float(loss))
     >>> losses[-1] < losses[0], int(exdyna_jax.get_stats(opt_state).step[0])
     (True, 5)
@@ -153,4 +195,36 @@ def data_parallel(
 
     return grad_fn
 
-  return DataParallel(init, update, value_and_grad)
+  def step(per_worker_step):
+    def body(params, opt_state, batch, *args):
+      outputs = per_worker_step(params, drop_worker_axis(opt_state), batch, *args)
+      if not isinstance(outputs, tuple) or len(outputs) < 2:
+        raise TypeError(
+            "A step decorated with data_parallel(...).step must return a tuple "
+            f"(params, opt_state, *aux); {per_worker_step.__name__} returned "
+            f"{type(outputs).__name__}."
+        )
+      params, opt_state, *aux = outputs
+      return add_worker_axis(opt_state), params, add_worker_axis(tuple(aux))
+
+    # The state leaves first: a donated state buffer is aliased to the first
+    # output of its shape, so nothing else may come before it.
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def state_first(params, opt_state, batch, *args):
+      in_specs = (P(), per_worker, per_worker) + (P(),) * len(args)
+      return shard(body, in_specs, (per_worker, P(), per_worker))(
+          params, opt_state, batch, *args
+      )
+
+    @functools.wraps(per_worker_step)
+    def train_step(params, opt_state, batch, *args):
+      opt_state, params, aux = state_first(params, opt_state, batch, *args)
+      return (params, opt_state, *aux)
+
+    train_step.lower = state_first.lower  # e.g. to read the compiled program's collectives
+    return train_step
+
+  def stats(opt_state):
+    return drop_worker_axis(_stats.get_stats(opt_state))
+
+  return DataParallel(init, step, update, value_and_grad, stats)

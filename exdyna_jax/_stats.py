@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -53,6 +54,10 @@ class SparsifierStats(NamedTuple):
       int32 ``psum`` behind it is counted in ``bytes_sent``.)
     skipped_steps: int32 steps skipped so far because of non-finite
       gradients (they are not counted in ``step``).
+    num_workers: int32 the number of workers the state was initialized for.
+      A step on another number stops with an error that names
+      `exdyna_jax.resize_workers`; it catches a worker axis a restore cut or
+      padded to fit (orbax's ``strict=False``), which the shapes cannot show.
 
   Example:
     The stats of a freshly initialized ExDyna state, on 8 workers simulated
@@ -80,10 +85,11 @@ class SparsifierStats(NamedTuple):
   partition_starts: jax.Array
   partition_sizes: jax.Array
   bytes_sent: jax.Array
-  # Owned by the non-finite guard every update runs through
-  # (`exdyna_jax._feedback.skip_if_nonfinite`): a sparsification step need not set them.
+  # Owned by the guard every update runs through (`exdyna_jax._feedback.skip_if_nonfinite`):
+  # a sparsification step need not set them.
   nonfinite: jax.Array = np.int32(0)
   skipped_steps: jax.Array = np.int32(0)
+  num_workers: jax.Array = np.int32(0)
 
 
 def initial_stats(
@@ -99,6 +105,7 @@ def initial_stats(
       imbalance=jnp.ones((), jnp.float32),
       partition_starts=jnp.asarray(partition_starts, jnp.int32),
       partition_sizes=jnp.asarray(partition_sizes, jnp.int32),
+      num_workers=jnp.int32(len(partition_sizes)),
       **dict.fromkeys(counts, zero),
   )
 
@@ -131,6 +138,36 @@ def check_num_workers(stats: SparsifierStats, num_workers: int, axis_name: str) 
       "which keeps the residual mass; or restore on a mesh of "
       f"{initialized_for} devices. Also call init() inside the same mapped context as "
       "update()."
+  )
+
+
+def raise_if_resized(recorded: np.ndarray, num_workers: int, axis_name: str) -> None:
+  """Raises if a state's recorded worker counts are not ``num_workers`` (a host callback).
+
+  A state whose worker axis a restore cut or padded to fit another number of
+  workers has the right shapes (`check_num_workers` passes) but still records
+  the number it was initialized for (padded workers record 0).
+
+  Args:
+    recorded: ``stats.num_workers`` of one or more workers.
+    num_workers: size of ``axis_name`` in the calling context.
+    axis_name: the data-parallel axis, for the message.
+
+  Raises:
+    ValueError: if any recorded count differs from ``num_workers``.
+  """
+  recorded = {int(r) for r in np.ravel(recorded)}
+  if recorded == {num_workers}:
+    return
+  initialized_for = " or ".join(map(str, sorted(recorded - {0}))) or "another number of"
+  raise ValueError(
+      f"The optimizer state was initialized for {initialized_for} workers but axis "
+      f"{axis_name!r} has {num_workers}, and its arrays were cut or padded to "
+      f"{num_workers} workers' shapes (restoring a checkpoint with orbax's strict=False "
+      "does this): the residuals of the workers cut off are lost and the partitions no "
+      "longer fit. Restore onto the stored shapes instead and pass the state through "
+      "exdyna_jax.resize_workers(tx, state, params, num_workers), which keeps the "
+      "residual mass."
   )
 
 
@@ -200,7 +237,10 @@ def imbalance_of(workloads: jax.Array) -> jax.Array:
 def get_stats(opt_state: Any) -> SparsifierStats:
   """Returns the `SparsifierStats` inside a (possibly chained) optimizer state.
 
-  Equivalent to ``optax.tree.get(opt_state, "stats")``.
+  Equivalent to ``optax.tree.get(opt_state, "stats")``, but typed on any
+  container: where the state was converted into mappings (the ``nnx.State``
+  of a Flax ``nnx.Optimizer``, whose leaves are ``nnx`` variables), the
+  stats are rebuilt as a `SparsifierStats` of arrays.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, exdyna_jax
@@ -212,4 +252,11 @@ def get_stats(opt_state: Any) -> SparsifierStats:
     >>> type(stats).__name__, stats.step.shape
     ('SparsifierStats', (8,))
   """
-  return optax.tree.get(opt_state, "stats")
+  stats = optax.tree.get(opt_state, "stats")
+  if isinstance(stats, Mapping) and set(stats) == set(SparsifierStats._fields):
+    # An nnx variable hands out its array with get_value() (a jax.Array has no such method).
+    return SparsifierStats(**{
+        name: leaf.get_value() if hasattr(leaf, "get_value") else leaf
+        for name, leaf in stats.items()
+    })
+  return stats

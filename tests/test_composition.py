@@ -212,6 +212,10 @@ def test_nnx_optimizer_runs_the_sparsifier_per_worker():
     optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
     for t in range(steps):
       optimizer.update(model, nnx.grad(loss)(model, x[t], y[t]))
+    # The stats are typed both on the live optimizer and on its split nnx.State.
+    split_stats = exdyna_jax.get_stats(nnx.split(optimizer)[1])
+    assert isinstance(split_stats, exdyna_jax.SparsifierStats)
+    assert isinstance(split_stats.transmitted, jax.Array)
     return {"b": model.b[...], "w": model.w[...]}, exdyna_jax.get_stats(optimizer.opt_state)
 
   def optax_worker(x, y):

@@ -10,11 +10,14 @@ from __future__ import annotations
 import doctest
 import html
 import importlib.util
+import math
 import pathlib
 import re
 import subprocess
 import sys
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import exdyna_jax
@@ -133,6 +136,24 @@ def test_checkpointing_page_sessions_run(tmp_path, monkeypatch):
   assert result.attempted > 30
   assert result.failed == 0
   assert (tmp_path / "checkpoints" / "step_5").is_dir()
+
+
+def test_readme_training_step_runs():
+  """The README's code, with a model, a batch and a loss it leaves to the reader."""
+  block = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+  assert len(block.strip().splitlines()) <= 16
+  x = np.random.default_rng(0).normal(size=(64, 128)).astype(np.float32)
+
+  def loss_fn(params, batch):
+    x, y = batch
+    return jnp.mean((x @ params["w"] - y) ** 2)
+
+  namespace = {"loss_fn": loss_fn, "params": {"w": jnp.zeros((128, 128))}, "batch": (x, 2 * x)}
+  exec(block, namespace)
+  stats = namespace["stats"]
+  k = int(0.001 * 128 * 128)  # the first step, before the controller has measured anything
+  assert int(stats.step) == 1 and k // 2 <= int(stats.transmitted) <= math.ceil(1.1 * k)
+  assert namespace["params"]["w"].shape == (128, 128)
 
 
 def test_readme_is_short_and_links_to_the_pages():

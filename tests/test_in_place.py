@@ -64,12 +64,29 @@ def compiled_data_parallel_step(name: str) -> str:
   return step.lower(params(), opt_state, worker_grads).compile().as_text()
 
 
+def compiled_decorated_step(name: str) -> str:
+  """data_parallel(...).step: the per-worker step, jitted and donated by the helper."""
+  mesh = jax.make_mesh((NUM_WORKERS,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  tx = make_tx(name)
+  parallel = exdyna_jax.data_parallel(tx, mesh)
+
+  @parallel.step
+  def train_step(params, opt_state, grads):
+    updates, opt_state = tx.update(jax.tree.map(lambda g: g[0], grads), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  worker_grads = jax.tree.map(lambda x: jnp.stack([x] * NUM_WORKERS), params())
+  return train_step.lower(params(), parallel.init(params()), worker_grads).compile().as_text()
+
+
 def n_vector_copies(hlo: str) -> list[str]:
   pattern = re.compile(rf"= f32\[(1,)?{NUM_ELEMENTS}\]\S* copy\(")
   return [line.strip() for line in hlo.splitlines() if pattern.search(line)]
 
 
-@pytest.mark.parametrize("compile_step", [compiled_pmap_step, compiled_data_parallel_step])
+@pytest.mark.parametrize(
+    "compile_step", [compiled_pmap_step, compiled_data_parallel_step, compiled_decorated_step]
+)
 @pytest.mark.parametrize("name", ERROR_FEEDBACK)
 def test_donated_step_copies_no_residual(name, compile_step):
   hlo = compile_step(name)

@@ -99,3 +99,34 @@ def test_a_state_of_another_optimizer_or_layout_is_refused():
     exdyna_jax.resize_workers(tx, jax.tree.map(lambda x: x[0], state), params, 2)
   with pytest.raises(ValueError, match="positive int"):
     exdyna_jax.resize_workers(tx, state, params, 0)
+
+
+def cut_or_pad(state, target):
+  """What orbax's ``strict=False`` restore does: each leaf cut or zero-padded to fit."""
+
+  def fit(leaf, like):
+    leaf = np.asarray(leaf)[tuple(slice(0, size) for size in like.shape)]
+    return np.pad(
+      leaf, [(0, want - have) for have, want in zip(leaf.shape, like.shape, strict=True)]
+    )
+
+  return jax.tree.map(fit, state, target)
+
+
+@pytest.mark.parametrize("name", exdyna_jax.available_sparsifiers())
+@pytest.mark.parametrize(("saved", "restored"), [(8, 4), (4, 8)])
+def test_a_worker_axis_cut_or_padded_to_fit_is_refused(name, saved, restored):
+  """The shapes fit, the recorded worker count does not: the step stops and names the fix."""
+  tx = make_tx(name)
+
+  def init(workers):
+    return jax.vmap(tx.init, in_axes=None, axis_name=AXIS, axis_size=workers)(jnp.zeros(N))
+
+  fitted = cut_or_pad(init(saved), init(restored))
+  grads = np.ones((restored, 1, N), np.float32)
+  with pytest.raises(
+    (ValueError, jax.errors.JaxRuntimeError),
+    match=rf"initialized for ({saved}|another number of) workers but axis 'data' has {restored}, "
+    r"and its arrays were cut or padded.*resize_workers",
+  ):
+    jax.block_until_ready(stepper(tx)(fitted, grads))
