@@ -2,6 +2,7 @@
 
 from exdyna_jax._cltk import cltk
 from exdyna_jax._dense import DenseState, dense
+from exdyna_jax._density_schedule import dgc_warmup
 from exdyna_jax._exdyna import ExDynaState, exdyna
 from exdyna_jax._feedback import ErrorFeedbackState
 from exdyna_jax._hard_threshold import hard_threshold
@@ -26,6 +27,7 @@ __all__ = [
     "cltk",
     "data_parallel",
     "dense",
+    "dgc_warmup",
     "exdyna",
     "get_sparsifier",
     "get_stats",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -9,7 +11,9 @@ import optax
 from exdyna_jax import _collectives, _exchange, _feedback, _selection, _stats
 
 
-def cltk(density: float, *, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
+def cltk(
+    density: float | Mapping[int, float], *, axis_name: str = "data"
+) -> optax.GradientTransformationExtraArgs:
   """Cyclic local top-k (CLT-k) with error feedback, as an optax transform.
 
   At step ``t`` the leader ``t mod n`` picks the ``k = floor(density * N)``
@@ -32,7 +36,10 @@ def cltk(density: float, *, axis_name: str = "data") -> optax.GradientTransforma
   Calling convention: :doc:`/usage`; non-finite gradients: :doc:`/bad_inputs`.
 
   Args:
-    density: fraction ``d`` of gradient elements to send, in ``(0, 1]``.
+    density: fraction ``d`` of gradient elements to send, in ``(0, 1]``. Or a schedule
+      ``{first_step: density}`` such as ``{0: 1.0, 500: 0.01}`` (1.0: a
+      dense all-reduce; see `dgc_warmup`): each level is compiled once and
+      chosen by the step count, so the bytes sent follow the current level.
     axis_name: name of the data-parallel axis.
 
   Returns:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax import _collectives, _feedback, _layout, _stats
+from exdyna_jax import _collectives, _feedback, _guard, _layout, _stats
 
 
 class DenseState(NamedTuple):
@@ -71,7 +71,7 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     layout, num_workers = _feedback.check_update(updates, state, params, axis_name)
-    nonfinite = _feedback.count_nonfinite(updates, axis_name)
+    nonfinite = _guard.count_nonfinite(updates, axis_name)
     total = jax.lax.psum(
         jax.tree.map(lambda g: g.astype(_layout.ACCUMULATION_DTYPE), updates), axis_name
     )
@@ -89,7 +89,7 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
             num_workers, layout.num_elements * _collectives.VALUE_BYTES
         ),
     )
-    mean, stats = _feedback.skip_if_nonfinite(
+    mean, stats = _guard.skip_if_nonfinite(
         nonfinite, lambda: (mean, stats), state.stats, num_workers, axis_name
     )
     return mean, DenseState(stats)

@@ -43,11 +43,18 @@ class SparseUpdate(NamedTuple):
       ``indices``, or None for zero (every index-union method: a transmitted
       coordinate leaves every residual). SparDL keeps what the worker itself
       dropped there on the way.
+    base: float32 ``[N]`` the dense update the values are written into
+      instead of zeros, or None (only a density schedule with a dense level
+      has one: the mean at a dense step, zeros otherwise).
+    sent_all: bool, True where every coordinate was sent (a dense step of a
+      schedule): the residual is cleared everywhere. None: never.
   """
 
   indices: jax.Array
   values: jax.Array
   kept: jax.Array | None = None
+  base: jax.Array | None = None
+  sent_all: jax.Array | None = None
 
   @classmethod
   def nothing(cls, like: SparseUpdate, num_elements: int, axis_name: str) -> SparseUpdate:
@@ -55,21 +62,28 @@ class SparseUpdate(NamedTuple):
     kept = None
     if like.kept is not None:  # per worker, typed so under shard_map(check_vma=True)
       kept = _collectives.per_worker(jnp.zeros(like.kept.shape, like.kept.dtype), axis_name)
-    return cls(
+    nothing = cls(
         jnp.full(like.indices.shape, num_elements, jnp.int32),
         jnp.zeros(like.values.shape, like.values.dtype),
         kept,
     )
+    if like.base is not None:
+      nothing = nothing._replace(
+          base=jnp.zeros(like.base.shape, like.base.dtype), sent_all=jnp.bool_(False)
+      )
+    return nothing
 
   def dense(self, num_elements: int) -> jax.Array:
-    """float32 ``[N]``: ``values`` at ``indices``, zero elsewhere."""
-    zeros = jnp.zeros((num_elements,), self.values.dtype)
-    return zeros.at[self.indices].set(self.values, mode="drop")
+    """float32 ``[N]``: ``values`` at ``indices``, ``base`` (or zero) elsewhere."""
+    start = jnp.zeros((num_elements,), self.values.dtype) if self.base is None else self.base
+    return start.at[self.indices].set(self.values, mode="drop")
 
   def clear(self, accumulated: jax.Array) -> jax.Array:
-    """``accumulated`` (``[..., N]``) with ``kept`` (or zero) at ``indices`` (in place)."""
+    """``accumulated`` (``[..., N]``) with ``kept`` (or zero) at ``indices`` (in place),
+    zero everywhere where ``sent_all``."""
     kept = 0.0 if self.kept is None else self.kept
-    return accumulated.at[..., self.indices].set(kept, mode="drop")
+    cleared = accumulated.at[..., self.indices].set(kept, mode="drop")
+    return cleared if self.sent_all is None else jnp.where(self.sent_all, 0.0, cleared)
 
 
 class Exchanged(NamedTuple):

@@ -19,7 +19,7 @@ The step, top to bottom (`_partitioned_transform`, shared with MiCRO):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import jax
@@ -28,6 +28,7 @@ import optax
 
 from exdyna_jax import (
   _balance,
+  _density_schedule,
   _exchange,
   _feedback,
   _options,
@@ -107,7 +108,7 @@ class ExDynaState(NamedTuple):
 
 
 def exdyna(
-    density: float,
+    density: float | Mapping[int, float],
     *,
     axis_name: str = "data",
     num_blocks: int | None = None,
@@ -134,7 +135,10 @@ def exdyna(
   Calling convention: :doc:`/usage`; non-finite gradients: :doc:`/bad_inputs`.
 
   Args:
-    density: fraction of gradient elements to send per step, in ``(0, 1]``.
+    density: fraction of gradient elements to send per step, in ``(0, 1]``. Or a schedule
+      ``{first_step: density}`` such as ``{0: 1.0, 500: 0.01}`` (1.0: a
+      dense all-reduce; see `dgc_warmup`): each level is compiled once and
+      chosen by the step count, so the bytes sent follow the current level.
     axis_name: name of the data-parallel axis.
     num_blocks: number of blocks ``B``. None (default): for the balanced
       partitioner up to 1024 per worker of at least 32 elements (fewer for a
@@ -227,7 +231,7 @@ def exdyna(
 
 
 def _partitioned_transform(
-    density: float,
+    density: float | Mapping[int, float],
     *,
     axis_name: str,
     capacity_factor: float | None,
@@ -238,7 +242,8 @@ def _partitioned_transform(
   """The step of ExDyna and MiCRO, for one partitioner.
 
   Args:
-    density: fraction ``d`` of elements to send per step.
+    density: fraction ``d`` of elements to send per step, or a schedule
+      ``{first_step: density}`` (`_density_schedule`).
     axis_name: the data-parallel axis.
     capacity_factor: per-worker buffer size as a multiple of ``k / n``, or
       None for `_options.default_capacity_factor`.
@@ -250,7 +255,7 @@ def _partitioned_transform(
   Returns:
     The optax transformation; its state is an `ExDynaState`.
   """
-  density = _options.check_density(density)
+  levels = _density_schedule.density_levels(density)
   if capacity_factor is not None:
     capacity_factor = _options.check_capacity_factor(capacity_factor)
   threshold_controller = _threshold.get_controller(controller)
@@ -258,7 +263,9 @@ def _partitioned_transform(
 
   def init_state(residual, num_elements, num_workers):
     geometry = geometry_fn(num_elements, num_workers)
-    target = _options.target_count(density, num_elements)
+    for level in levels:  # rejects a level with k = 0
+      _options.target_count(level.density, num_elements)
+    target = _options.target_count(_density_schedule.initial_density(levels), num_elements)
     sizes = _partition.initial_sizes(geometry.num_blocks, num_workers)
     if balanced:
       block_workloads, worker_scales = _balance.initial_estimate(geometry)
@@ -278,107 +285,112 @@ def _partitioned_transform(
         stats=_stats.initial_stats(threshold, _partition.starts_of(sizes), sizes),
     )
 
-  def step(accumulated, state, num_workers):
-    num_elements = accumulated.shape[0]
-    geometry = geometry_fn(num_elements, num_workers)
-    target = _options.target_count(density, num_elements)
-    factor = capacity_factor
-    if factor is None:
-      factor = _options.default_capacity_factor(target, num_workers, controller)
-    capacity = _options.capacity(factor, target, num_workers, num_elements)
-    # The published exchange sums every buffer slot; a steered density lets
-    # the gathered indices be packed into about k slots first.
-    slots = num_workers * capacity
-    if threshold_controller.num_probes:
-      slots = _options.value_slots(target, capacity, num_workers)
-    budget = _threshold.Budget(target, capacity, slots)
-    t = state.step
+  def step_for(density):  # the step at one density
+    def step(accumulated, state, num_workers):
+      num_elements = accumulated.shape[0]
+      geometry = geometry_fn(num_elements, num_workers)
+      target = _options.target_count(density, num_elements)
+      factor = capacity_factor
+      if factor is None:
+        factor = _options.default_capacity_factor(target, num_workers, controller)
+      capacity = _options.capacity(factor, target, num_workers, num_elements)
+      # The published exchange sums every buffer slot; a steered density lets
+      # the gathered indices be packed into about k slots first.
+      slots = num_workers * capacity
+      if threshold_controller.num_probes:
+        slots = _options.value_slots(target, capacity, num_workers)
+      budget = _threshold.Budget(target, capacity, slots)
+      t = state.step
 
-    # Partitions for this step, and the one this worker owns.
-    if balanced:
-      sizes = _balance.cut(_balance.BalanceEstimate(state.block_workloads, state.worker_scales),
-                           geometry, t)
-    elif partitioner == "reference":
-      adjusted = _partition.adjust(geometry, state.partition_sizes, state.partition_workloads)
-      sizes = jnp.where(t == 0, state.partition_sizes, adjusted)
-    else:
-      sizes = state.partition_sizes
-    starts = _partition.starts_of(sizes)
-    partition = _partition.owned_partition(t, jax.lax.axis_index(axis_name), num_workers)
-    begin, end = _partition.element_range(geometry, starts, sizes, partition)
+      # Partitions for this step, and the one this worker owns.
+      if balanced:
+        sizes = _balance.cut(_balance.BalanceEstimate(state.block_workloads, state.worker_scales),
+                             geometry, t)
+      elif partitioner == "reference":
+        adjusted = _partition.adjust(geometry, state.partition_sizes, state.partition_workloads)
+        sizes = jnp.where(t == 0, state.partition_sizes, adjusted)
+      else:
+        sizes = state.partition_sizes
+      starts = _partition.starts_of(sizes)
+      partition = _partition.owned_partition(t, jax.lax.axis_index(axis_name), num_workers)
+      begin, end = _partition.element_range(geometry, starts, sizes, partition)
 
-    # One global threshold, from every worker's count of its own partition.
-    chunk = _selection.chunk_length(num_elements, num_workers)
-    measure = _threshold.measure_partitions(
-        accumulated, begin, end, chunk=chunk, axis_name=axis_name
-    )
-    threshold, steady = threshold_controller.choose(
-        state.threshold, jnp.sum(state.partition_workloads), budget, state.target_correction, t,
-        measure,
-    )
-
-    # Exclusive selection: the worker's own partition only, read chunk by chunk.
-    selection = _selection.select_in_range(
-        accumulated, threshold, begin, end, capacity=capacity, chunk=chunk, fallback_offset=t
-    )
-
-    # Exchange: index buffers with each worker's pass count, values summed.
-    packed = slots if slots < num_workers * capacity else None
-    exchanged = _exchange.exchange(
-        accumulated, selection.indices, selection.passed[None], axis_name, value_slots=packed
-    )
-    # Per worker: elements over the threshold, and the indices it chose from
-    # them (the fallback index when none passed), both before the capacity limit.
-    passed_per_worker = exchanged.gathered_info[:, 0]
-    selected_per_worker = jnp.maximum(passed_per_worker, 1)
-    workloads = _partition.by_partition(selected_per_worker, t)
-
-    # What the next step cuts its partitions from.
-    if balanced:
-      block_workloads, worker_scales = _balance.observe(
-          _balance.BalanceEstimate(state.block_workloads, state.worker_scales),
-          geometry,
-          sizes=sizes,
-          step=t,
-          gathered_indices=exchanged.gathered_indices,
-          passed=passed_per_worker,
+      # One global threshold, from every worker's count of its own partition.
+      chunk = _selection.chunk_length(num_elements, num_workers)
+      measure = _threshold.measure_partitions(
+          accumulated, begin, end, chunk=chunk, axis_name=axis_name
       )
-    else:
-      block_workloads, worker_scales = state.block_workloads, state.worker_scales
+      threshold, steady = threshold_controller.choose(
+          state.threshold, jnp.sum(state.partition_workloads), budget, state.target_correction, t,
+          measure,
+      )
 
-    selected = jnp.sum(selected_per_worker)
-    transmitted = jnp.minimum(jnp.sum(jnp.minimum(selected_per_worker, capacity)), slots)
-    stats = _stats.SparsifierStats(
-        step=t + 1,
-        threshold=threshold,
-        selected=selected,
-        transmitted=transmitted,
-        overflow=selected - transmitted,
-        workloads=workloads,
-        imbalance=_stats.imbalance_of(workloads),
-        partition_starts=starts,
-        partition_sizes=sizes,
-        bytes_sent=_stats.static_bytes(
-            _exchange.exchange_bytes(num_workers, capacity, 1, packed)
-            + _threshold.control_bytes(threshold_controller, num_workers)
-        ),
-    )
-    new_state = ExDynaState(
-        residual=state.residual,  # the shell writes the new one
-        threshold=threshold,
-        partition_sizes=sizes,
-        partition_workloads=workloads,
-        block_workloads=block_workloads,
-        worker_scales=worker_scales,
-        target_correction=_threshold.correct(
-            state.target_correction, transmitted, target, steady
-        ),
-        step=t + 1,
-        stats=stats,
-    )
-    return exchanged.sparse, new_state
+      # Exclusive selection: the worker's own partition only, read chunk by chunk.
+      selection = _selection.select_in_range(
+          accumulated, threshold, begin, end, capacity=capacity, chunk=chunk, fallback_offset=t
+      )
+
+      # Exchange: index buffers with each worker's pass count, values summed.
+      packed = slots if slots < num_workers * capacity else None
+      exchanged = _exchange.exchange(
+          accumulated, selection.indices, selection.passed[None], axis_name, value_slots=packed
+      )
+      # Per worker: elements over the threshold, and the indices it chose from
+      # them (the fallback index when none passed), both before the capacity limit.
+      passed_per_worker = exchanged.gathered_info[:, 0]
+      selected_per_worker = jnp.maximum(passed_per_worker, 1)
+      workloads = _partition.by_partition(selected_per_worker, t)
+
+      # What the next step cuts its partitions from.
+      if balanced:
+        block_workloads, worker_scales = _balance.observe(
+            _balance.BalanceEstimate(state.block_workloads, state.worker_scales),
+            geometry,
+            sizes=sizes,
+            step=t,
+            gathered_indices=exchanged.gathered_indices,
+            passed=passed_per_worker,
+        )
+      else:
+        block_workloads, worker_scales = state.block_workloads, state.worker_scales
+
+      selected = jnp.sum(selected_per_worker)
+      transmitted = jnp.minimum(jnp.sum(jnp.minimum(selected_per_worker, capacity)), slots)
+      stats = _stats.SparsifierStats(
+          step=t + 1,
+          threshold=threshold,
+          selected=selected,
+          transmitted=transmitted,
+          overflow=selected - transmitted,
+          workloads=workloads,
+          imbalance=_stats.imbalance_of(workloads),
+          partition_starts=starts,
+          partition_sizes=sizes,
+          bytes_sent=_stats.static_bytes(
+              _exchange.exchange_bytes(num_workers, capacity, 1, packed)
+              + _threshold.control_bytes(threshold_controller, num_workers)
+          ),
+      )
+      new_state = ExDynaState(
+          residual=state.residual,  # the shell writes the new one
+          threshold=threshold,
+          partition_sizes=sizes,
+          partition_workloads=workloads,
+          block_workloads=block_workloads,
+          worker_scales=worker_scales,
+          target_correction=_threshold.correct(
+              state.target_correction, transmitted, target, steady
+          ),
+          step=t + 1,
+          stats=stats,
+      )
+      return exchanged.sparse, new_state
+
+    return step
 
   return _feedback.error_feedback_transform(
-      axis_name=axis_name, init_state=init_state, step=step
+      axis_name=axis_name,
+      init_state=init_state,
+      step=_density_schedule.scheduled_step(levels, step_for, axis_name),
   )
 

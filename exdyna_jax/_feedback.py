@@ -9,7 +9,7 @@ residual in place, keeps in the residual what rounding the update to a
 narrow leaf dtype loses, and unflattens the update.
 
 Non-finite policy (every registered method, SparDL and dense included, through
-`count_nonfinite` and `skip_if_nonfinite`): if the gradient ``g`` of *any*
+`_guard.count_nonfinite` and `_guard.skip_if_nonfinite`): if the gradient ``g`` of *any*
 worker holds a NaN or an infinity, *every* worker skips the step. The update
 is zero, and the residual, threshold, partitions, workloads and step counter
 keep their previous values, so the bad values never enter the state;
@@ -26,15 +26,22 @@ place into the residual's buffer.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax import _collectives, _exchange, _layout, _options, _stats
+from exdyna_jax import (
+    _collectives,
+    _density_schedule,
+    _exchange,
+    _guard,
+    _layout,
+    _options,
+    _stats,
+)
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -124,7 +131,7 @@ def error_feedback_transform(
           "by the init tree. Call init() with the same tree you pass to update(), or pass "
           "params= to update() to have both compared."
       )
-    nonfinite = count_nonfinite(updates, axis_name)
+    nonfinite = _guard.count_nonfinite(updates, axis_name)
     accumulated = accumulate(updates, state.residual, nonfinite)  # [1, N]
 
     def without_residual_and_stats(state):  # what the cond carries besides the stats
@@ -134,7 +141,7 @@ def error_feedback_transform(
       sparse, new_state = step(accumulated[0], state, num_workers)
       return (sparse, without_residual_and_stats(new_state)), new_state.stats
 
-    (sparse, rest), stats = skip_if_nonfinite(
+    (sparse, rest), stats = _guard.skip_if_nonfinite(
         nonfinite,
         run_step,
         state.stats,
@@ -191,18 +198,23 @@ def stats_state_transform(
   Returns:
     The optax transformation; its state is an `ErrorFeedbackState`.
   """
-
-  def step(accumulated, state, num_workers):
-    sparse, stats = sparsify(accumulated, state.stats, num_workers)
-    return sparse, state._replace(stats=stats)
-
   return error_feedback_transform(
       axis_name=axis_name,
       init_state=lambda residual, num_elements, num_workers: ErrorFeedbackState(
           residual, initial_stats(num_elements, num_workers)
       ),
-      step=step,
+      step=stats_step(sparsify),
   )
+
+
+def stats_step(sparsify: SparsifyFn) -> _density_schedule.StepFn:
+  """The step of an `ErrorFeedbackState` method: ``sparsify`` on its stats."""
+
+  def step(accumulated, state, num_workers):
+    sparse, stats = sparsify(accumulated, state.stats, num_workers)
+    return sparse, state._replace(stats=stats)
+
+  return step
 
 
 def accumulate(updates: Any, residual: jax.Array, nonfinite: jax.Array) -> jax.Array:
@@ -222,7 +234,7 @@ def accumulate(updates: Any, residual: jax.Array, nonfinite: jax.Array) -> jax.A
   Args:
     updates: this worker's gradient tree ``g``.
     residual: float32 ``[N]`` the residual ``m``.
-    nonfinite: int32 `count_nonfinite` of this step's gradients.
+    nonfinite: int32 `_guard.count_nonfinite` of this step's gradients.
 
   Returns:
     float32 ``[1, N]`` accumulated gradient.
@@ -259,96 +271,6 @@ def check_update(
   return layout, num_workers
 
 
-def count_nonfinite(values: Any, axis_name: str) -> jax.Array:
-  """NaN and infinite elements of every worker's ``values``, summed over the workers.
-
-  Args:
-    values: this worker's array, or pytree of arrays.
-    axis_name: the data-parallel axis.
-
-  Returns:
-    int32 scalar, identical on every worker (one ``psum``).
-  """
-
-  def count(leaf):
-    # A NaN or infinity makes the sum non-finite: one read-only pass screens
-    # the leaf, and the elements are counted only when the screen trips (or
-    # when finite values overflowed the sum: then the count is 0).
-    return jax.lax.cond(
-        jnp.isfinite(jnp.sum(leaf, dtype=jnp.float32)),
-        lambda: _collectives.per_worker(jnp.zeros((), jnp.int32), axis_name),
-        lambda: jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32),
-    )
-
-  local = sum(count(leaf) for leaf in jax.tree.leaves(values))
-  return jax.lax.psum(jnp.asarray(local, jnp.int32), axis_name)
-
-
-def skip_if_nonfinite(
-    nonfinite: jax.Array,
-    step: Callable[[], tuple[Any, _stats.SparsifierStats]],
-    previous_stats: _stats.SparsifierStats,
-    num_workers: int,
-    axis_name: str,
-    *,
-    skipped: Callable[[Any], Any] | None = None,
-) -> tuple[Any, _stats.SparsifierStats]:
-  """The non-finite policy, shared by every method: skip the step on all workers.
-
-  ``step`` runs inside a ``lax.switch``, so a finite step costs nothing extra
-  and a skipped one does no work. ``nonfinite`` is the same on every worker,
-  so all of them take the same branch and the collectives inside ``step``
-  stay matched. The same switch stops a state whose recorded worker count
-  is not ``n`` (`_stats.raise_if_resized`, on the host): its arrays were cut
-  or padded to fit, and stepping it would silently lose residuals.
-
-  Args:
-    nonfinite: int32 `count_nonfinite` of this step's gradients.
-    step: ``() -> (output, stats)``, the step proper.
-    previous_stats: the stats before the step.
-    num_workers: ``n``, to price the count's ``psum`` in ``stats.bytes_sent``
-      and to check ``previous_stats.num_workers`` against.
-    axis_name: the data-parallel axis, for the message.
-    skipped: maps the shapes of ``step``'s output (``jax.ShapeDtypeStruct``
-      leaves) to the output of a skipped step; by default zeros.
-
-  Returns:
-    ``step()`` when ``nonfinite == 0``; otherwise the ``skipped`` output and
-    ``previous_stats``. Either way ``stats.nonfinite`` is set to
-    ``nonfinite``, ``stats.skipped_steps`` counts the skipped steps, and
-    ``stats.bytes_sent`` includes the count's ``psum`` (a skipped step sends
-    nothing else).
-  """
-  skip = nonfinite > 0
-  resized = previous_stats.num_workers != num_workers
-  if skipped is None:
-    skipped = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype))
-
-  def skip_step():
-    output_shapes, _ = jax.eval_shape(step)
-    silent = previous_stats._replace(bytes_sent=jnp.zeros_like(previous_stats.bytes_sent))
-    return skipped(output_shapes), silent
-
-  def stop_resized():  # raises on the host; no collective, like a skipped step
-    jax.debug.callback(
-        functools.partial(_stats.raise_if_resized, num_workers=num_workers, axis_name=axis_name),
-        previous_stats.num_workers,
-    )
-    return skip_step()
-
-  # One conditional for both checks (a GPU reads its predicate back once).
-  branch = jnp.where(resized, 2, skip.astype(jnp.int32))
-  output, stats = jax.lax.switch(branch, (step, skip_step, stop_resized))
-  count_bytes = _collectives.ring_all_reduce_bytes(num_workers, _collectives.INDEX_BYTES)
-  stats = stats._replace(
-      nonfinite=nonfinite,
-      skipped_steps=previous_stats.skipped_steps + skip.astype(jnp.int32),
-      bytes_sent=stats.bytes_sent + count_bytes,
-      num_workers=previous_stats.num_workers,
-  )
-  return output, stats
-
-
 # (accumulated [N], previous stats, n, k) -> (aggregated update, stats)
 BudgetSparsifyFn = Callable[
     [jax.Array, _stats.SparsifierStats, int, int],
@@ -357,7 +279,7 @@ BudgetSparsifyFn = Callable[
 
 
 def fixed_budget_transform(
-    density: float, *, axis_name: str, sparsify: BudgetSparsifyFn
+    density: float | Mapping[int, float], *, axis_name: str, sparsify: BudgetSparsifyFn
 ) -> optax.GradientTransformationExtraArgs:
   """An `error_feedback_transform` that picks ``k = floor(density * N)`` per step.
 
@@ -365,25 +287,34 @@ def fixed_budget_transform(
   threshold of 0 before the first step.
 
   Args:
-    density: fraction ``d`` of gradient elements, in ``(0, 1]``.
+    density: fraction ``d`` of gradient elements, in ``(0, 1]``, or a
+      schedule ``{first_step: density}`` (`_density_schedule`).
     axis_name: the data-parallel axis.
     sparsify: ``(accumulated, stats, n, k) -> (sparse_update, stats)``.
 
   Returns:
     The optax transformation; its state is an `ErrorFeedbackState`.
   """
-  density = _options.check_density(density)
+  levels = _density_schedule.density_levels(density)
 
-  def initial_stats(num_elements: int, num_workers: int) -> _stats.SparsifierStats:
-    _options.target_count(density, num_elements)  # rejects k = 0
-    return unpartitioned_initial_stats(0.0, num_elements, num_workers)
+  def init_state(residual, num_elements, num_workers):
+    for level in levels:  # rejects a level with k = 0
+      _options.target_count(level.density, num_elements)
+    return ErrorFeedbackState(
+        residual, unpartitioned_initial_stats(0.0, num_elements, num_workers)
+    )
 
-  def sparsify_k(accumulated, stats, num_workers):
-    k = _options.target_count(density, accumulated.shape[0])
-    return sparsify(accumulated, stats, num_workers, k)
+  def step_for(density):
+    def sparsify_k(accumulated, stats, num_workers):
+      k = _options.target_count(density, accumulated.shape[0])
+      return sparsify(accumulated, stats, num_workers, k)
 
-  return stats_state_transform(
-      axis_name=axis_name, initial_stats=initial_stats, sparsify=sparsify_k
+    return stats_step(sparsify_k)
+
+  return error_feedback_transform(
+      axis_name=axis_name,
+      init_state=init_state,
+      step=_density_schedule.scheduled_step(levels, step_for, axis_name),
   )
 
 

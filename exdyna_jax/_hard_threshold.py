@@ -7,7 +7,15 @@ import math
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax import _exchange, _feedback, _options, _selection, _stats, _threshold
+from exdyna_jax import (
+  _density_schedule,
+  _exchange,
+  _feedback,
+  _options,
+  _selection,
+  _stats,
+  _threshold,
+)
 
 DEFAULT_CAPACITY_FACTOR = 2.0
 
@@ -91,7 +99,7 @@ def hard_threshold(
         f"density={density!r}, threshold={threshold!r}."
     )
   if density is not None:
-    density = _options.check_density(density)
+    density = _density_schedule.check_unscheduled(density, "hard_threshold")
     capacity_factor = _options.check_capacity_factor(capacity_factor)
   else:
     threshold = _options.check_threshold(threshold)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import optax
 
 from exdyna_jax import _exdyna, _partition
@@ -10,7 +12,7 @@ DEFAULT_CAPACITY_FACTOR = 1.5
 
 
 def micro(
-    density: float,
+    density: float | Mapping[int, float],
     *,
     axis_name: str = "data",
     capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
@@ -33,7 +35,10 @@ def micro(
   Calling convention: :doc:`/usage`; non-finite gradients: :doc:`/bad_inputs`.
 
   Args:
-    density: fraction of gradient elements to send per step, in ``(0, 1]``.
+    density: fraction of gradient elements to send per step, in ``(0, 1]``. Or a schedule
+      ``{first_step: density}`` such as ``{0: 1.0, 500: 0.01}`` (1.0: a
+      dense all-reduce; see `dgc_warmup`): each level is compiled once and
+      chosen by the step count, so the bytes sent follow the current level.
     axis_name: name of the data-parallel axis.
     capacity_factor: per-worker index buffer size as a multiple of ``k / n``.
     controller: ``"adaptive"`` (default) or ``"reference"`` (the published

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from exdyna_jax import _collectives, _exchange, _feedback, _options, _stats
+from exdyna_jax import _collectives, _density_schedule, _exchange, _feedback, _stats
 
 SCHEDULES = ("log", "ring")
 PAIR_BYTES = _collectives.INDEX_BYTES + _collectives.VALUE_BYTES
@@ -269,7 +269,7 @@ def spardl(
     >>> bool(jnp.allclose(kept_plus_sent, grads.sum(0), atol=1e-5))
     True
   """
-  density = _options.check_density(density)
+  density = _density_schedule.check_unscheduled(density, "spardl")
   if schedule not in SCHEDULES:
     raise ValueError(
         f"schedule must be 'log' (ceil(log2 n) rounds, the released code's) or "

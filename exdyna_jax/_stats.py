@@ -85,7 +85,7 @@ class SparsifierStats(NamedTuple):
   partition_starts: jax.Array
   partition_sizes: jax.Array
   bytes_sent: jax.Array
-  # Owned by the guard every update runs through (`exdyna_jax._feedback.skip_if_nonfinite`):
+  # Owned by the guard every update runs through (`exdyna_jax._guard.skip_if_nonfinite`):
   # a sparsification step need not set them.
   nonfinite: jax.Array = np.int32(0)
   skipped_steps: jax.Array = np.int32(0)

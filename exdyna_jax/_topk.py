@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax.numpy as jnp
 import optax
 
 from exdyna_jax import _collectives, _exchange, _feedback, _selection, _stats
 
 
-def topk(density: float, *, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
+def topk(
+    density: float | Mapping[int, float], *, axis_name: str = "data"
+) -> optax.GradientTransformationExtraArgs:
   """Exact local top-k with error feedback, as an optax transform.
 
   Each worker picks the ``k = floor(density * N)`` largest magnitudes of its
@@ -30,7 +34,10 @@ def topk(density: float, *, axis_name: str = "data") -> optax.GradientTransforma
 
   Args:
     density: fraction ``d`` of gradient elements each worker picks, in
-      ``(0, 1]``.
+      ``(0, 1]``. Or a schedule
+      ``{first_step: density}`` such as ``{0: 1.0, 500: 0.01}`` (1.0: a
+      dense all-reduce; see `dgc_warmup`): each level is compiled once and
+      chosen by the step count, so the bytes sent follow the current level.
     axis_name: name of the data-parallel axis.
 
   Returns:

@@ -26,9 +26,9 @@ NUM_ELEMENTS = 512 * 64 + 64
 ERROR_FEEDBACK = ("exdyna", "micro", "topk", "hard_threshold", "cltk", "spardl")
 
 
-def make_tx(name: str) -> optax.GradientTransformation:
+def make_tx(name: str, density=0.01) -> optax.GradientTransformation:
   return optax.chain(
-      exdyna_jax.get_sparsifier(name, density=0.01, axis_name="data"), optax.sgd(0.1)
+      exdyna_jax.get_sparsifier(name, density=density, axis_name="data"), optax.sgd(0.1)
   )
 
 
@@ -36,8 +36,8 @@ def params() -> dict[str, jax.Array]:
   return {key: jnp.zeros(shape) for key, shape in SHAPES.items()}
 
 
-def compiled_pmap_step(name: str) -> str:
-  tx = make_tx(name)
+def compiled_pmap_step(name: str, density=0.01) -> str:
+  tx = make_tx(name, density)
 
   def train_step(params, opt_state, grads):
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -49,10 +49,10 @@ def compiled_pmap_step(name: str) -> str:
   return step.lower(replicated, opt_state, replicated).compile().as_text()
 
 
-def compiled_data_parallel_step(name: str) -> str:
+def compiled_data_parallel_step(name: str, density=0.01) -> str:
   """The pjit-style helper: state leaves carry a leading worker axis, squeezed per device."""
   mesh = jax.make_mesh((NUM_WORKERS,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-  parallel = exdyna_jax.data_parallel(make_tx(name), mesh)
+  parallel = exdyna_jax.data_parallel(make_tx(name, density), mesh)
 
   def train_step(params, opt_state, worker_grads):
     updates, opt_state = parallel.update(worker_grads, opt_state, params)
@@ -64,10 +64,10 @@ def compiled_data_parallel_step(name: str) -> str:
   return step.lower(params(), opt_state, worker_grads).compile().as_text()
 
 
-def compiled_decorated_step(name: str) -> str:
+def compiled_decorated_step(name: str, density=0.01) -> str:
   """data_parallel(...).step: the per-worker step, jitted and donated by the helper."""
   mesh = jax.make_mesh((NUM_WORKERS,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-  tx = make_tx(name)
+  tx = make_tx(name, density)
   parallel = exdyna_jax.data_parallel(tx, mesh)
 
   @parallel.step
@@ -92,3 +92,11 @@ def test_donated_step_copies_no_residual(name, compile_step):
   hlo = compile_step(name)
   assert f"f32[{NUM_ELEMENTS}]" in hlo or f"f32[1,{NUM_ELEMENTS}]" in hlo  # the residual ...
   assert n_vector_copies(hlo) == []  # ... is never copied
+
+
+@pytest.mark.parametrize("compile_step", [compiled_pmap_step, compiled_decorated_step])
+def test_donated_step_with_a_density_schedule_copies_no_residual(compile_step):
+  """A dense level and two sparse ones, one switch: the residual is still never copied."""
+  hlo = compile_step("exdyna", {0: 1.0, 10: 0.05, 20: 0.01})
+  assert f"f32[{NUM_ELEMENTS}]" in hlo or f"f32[1,{NUM_ELEMENTS}]" in hlo
+  assert n_vector_copies(hlo) == []

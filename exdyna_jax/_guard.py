@@ -1,0 +1,111 @@
+"""The guard every update runs through: non-finite gradients and a resized state.
+
+If the gradient ``g`` of *any* worker holds a NaN or an infinity, *every*
+worker skips the step (one int32 ``psum`` decides it, so all take the same
+branch and the collectives stay matched): the update is zero and the state
+keeps its previous values. A state whose recorded worker count is not the
+axis size (a restore cut or padded its worker axis to fit) stops the step
+with an error on the host. Both decisions share one ``lax.switch``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from exdyna_jax import _collectives, _stats
+
+
+def count_nonfinite(values: Any, axis_name: str) -> jax.Array:
+  """NaN and infinite elements of every worker's ``values``, summed over the workers.
+
+  Args:
+    values: this worker's array, or pytree of arrays.
+    axis_name: the data-parallel axis.
+
+  Returns:
+    int32 scalar, identical on every worker (one ``psum``).
+  """
+
+  def count(leaf):
+    # A NaN or infinity makes the sum non-finite: one read-only pass screens
+    # the leaf, and the elements are counted only when the screen trips (or
+    # when finite values overflowed the sum: then the count is 0).
+    return jax.lax.cond(
+        jnp.isfinite(jnp.sum(leaf, dtype=jnp.float32)),
+        lambda: _collectives.per_worker(jnp.zeros((), jnp.int32), axis_name),
+        lambda: jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32),
+    )
+
+  local = sum(count(leaf) for leaf in jax.tree.leaves(values))
+  return jax.lax.psum(jnp.asarray(local, jnp.int32), axis_name)
+
+
+def skip_if_nonfinite(
+    nonfinite: jax.Array,
+    step: Callable[[], tuple[Any, _stats.SparsifierStats]],
+    previous_stats: _stats.SparsifierStats,
+    num_workers: int,
+    axis_name: str,
+    *,
+    skipped: Callable[[Any], Any] | None = None,
+) -> tuple[Any, _stats.SparsifierStats]:
+  """The non-finite policy, shared by every method: skip the step on all workers.
+
+  ``step`` runs inside a ``lax.switch``, so a finite step costs nothing extra
+  and a skipped one does no work. ``nonfinite`` is the same on every worker,
+  so all of them take the same branch and the collectives inside ``step``
+  stay matched. The same switch stops a state whose recorded worker count
+  is not ``n`` (`_stats.raise_if_resized`, on the host): its arrays were cut
+  or padded to fit, and stepping it would silently lose residuals.
+
+  Args:
+    nonfinite: int32 `count_nonfinite` of this step's gradients.
+    step: ``() -> (output, stats)``, the step proper.
+    previous_stats: the stats before the step.
+    num_workers: ``n``, to price the count's ``psum`` in ``stats.bytes_sent``
+      and to check ``previous_stats.num_workers`` against.
+    axis_name: the data-parallel axis, for the message.
+    skipped: maps the shapes of ``step``'s output (``jax.ShapeDtypeStruct``
+      leaves) to the output of a skipped step; by default zeros.
+
+  Returns:
+    ``step()`` when ``nonfinite == 0``; otherwise the ``skipped`` output and
+    ``previous_stats``. Either way ``stats.nonfinite`` is set to
+    ``nonfinite``, ``stats.skipped_steps`` counts the skipped steps, and
+    ``stats.bytes_sent`` includes the count's ``psum`` (a skipped step sends
+    nothing else).
+  """
+  skip = nonfinite > 0
+  resized = previous_stats.num_workers != num_workers
+  if skipped is None:
+    skipped = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype))
+
+  def skip_step():
+    output_shapes, _ = jax.eval_shape(step)
+    silent = previous_stats._replace(bytes_sent=jnp.zeros_like(previous_stats.bytes_sent))
+    return skipped(output_shapes), silent
+
+  def stop_resized():  # raises on the host; no collective, like a skipped step
+    jax.debug.callback(
+        functools.partial(_stats.raise_if_resized, num_workers=num_workers, axis_name=axis_name),
+        previous_stats.num_workers,
+    )
+    return skip_step()
+
+  # One conditional for both checks (a GPU reads its predicate back once).
+  branch = jnp.where(resized, 2, skip.astype(jnp.int32))
+  output, stats = jax.lax.switch(branch, (step, skip_step, stop_resized))
+  count_bytes = _collectives.ring_all_reduce_bytes(num_workers, _collectives.INDEX_BYTES)
+  stats = stats._replace(
+      step=previous_stats.step + 1 - skip.astype(jnp.int32),  # what a density schedule reads
+      nonfinite=nonfinite,
+      skipped_steps=previous_stats.skipped_steps + skip.astype(jnp.int32),
+      bytes_sent=stats.bytes_sent + count_bytes,
+      num_workers=previous_stats.num_workers,
+  )
+  return output, stats
