@@ -10,6 +10,8 @@ traffic             collectives of the compiled step per method and n (HLO),
 scale_model         alpha-beta prediction from those bytes (``scale_model.py``)
 collectives         CPU alpha-beta fit and replay check (``collectives.py``)
 density_control     K/k, imbalance and overflow over training
+training_options    density warm-up and bf16 values: accuracy and bytes
+                    (``training_options.py``)
 profile             static pass count and timing variants (``profile_update.py``)
 cost                update time grid, inside a time budget (``cost.py``)
 report              ``REPORT.md`` and plots (``report.py``)
@@ -35,6 +37,7 @@ PARTS = (
   "scale_model",
   "collectives",
   "density_control",
+  "training_options",
   "profile",
   "cost",
   "report",
@@ -52,6 +55,7 @@ def commands(results: pathlib.Path, quick: bool, cost_budget: float) -> dict[str
     "scale_model": ["scale_model.py", *traffic, *out["scale_model"]],
     "collectives": ["collectives.py", *q, *traffic, *out["collectives"]],
     "density_control": ["density_control.py", *density, *out["density_control"]],
+    "training_options": ["training_options.py", *q, *out["training_options"]],
     "profile": ["profile_update.py", *q, *out["profile"]],
     "cost": ["cost.py", *q, "--budget", str(cost_budget), *out["cost"]],
     "report": ["report.py", "--results", str(results)],

@@ -101,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> list[MethodRun]:
   parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
   parser.add_argument("--learning-rate", type=float, default=0.3)
   parser.add_argument("--warmup-steps", type=int, default=20)
+  parser.add_argument("--density-warmup", type=int, default=0, metavar="STEPS",
+                      help="DGC-style density warm-up, STEPS per level (0: none)")
+  parser.add_argument("--value-dtype", default="float32",
+                      choices=("float32", "bfloat16", "float16"))
   parser.add_argument("--eval-every", type=int, default=50)
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/char_transformer"))
   parser.add_argument("--no-progress", action="store_true")
@@ -110,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> list[MethodRun]:
   config = TrainConfig(
       steps=args.steps, density=args.density, batch_per_worker=args.batch_per_worker,
       learning_rate=args.learning_rate, momentum=0.0, warmup_steps=args.warmup_steps,
+      density_warmup=args.density_warmup, value_dtype=args.value_dtype,
       eval_every=args.eval_every,
   )
   mesh = make_mesh(8)

@@ -30,6 +30,7 @@ examples:
   exdyna-jax demo --method exdyna --density 0.001 --steps 500
   exdyna-jax demo --method exdyna micro topk spardl   compare several methods
   exdyna-jax demo --density 0.001 --learning-rate 0.1 --warmup-steps 50
+  exdyna-jax demo --density 0.001 --density-warmup 25  25 %, 6.25 %, ... 0.1 %, 25 steps each
 
 outputs (in --run-dir):
   metrics-<method>.jsonl  one line per step: loss, density, sent/k, threshold, overflow,
@@ -89,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
   demo.add_argument("--momentum", type=float, default=0.0,
                     help="SGD momentum, applied after aggregation; with error feedback "
                     "at low density it amplifies stale bursts (default: 0)")
+  demo.add_argument("--density-warmup", type=int, default=0, metavar="STEPS",
+                    help="a DGC-style density warm-up, STEPS per level: 25 %%, then a "
+                    "quarter per level down to --density (default: 0, none)")
+  demo.add_argument("--value-dtype", default="float32",
+                    choices=("float32", "bfloat16", "float16"),
+                    help="dtype the exchanged values are summed in (default: float32)")
   demo.add_argument("--warmup-steps", type=int, default=0,
                     help="linear learning-rate warm-up steps; helps very low densities "
                     "(default: 0)")
@@ -121,7 +128,9 @@ def run_demo_command(args: argparse.Namespace) -> int:
   config = demo.TrainConfig(
       steps=args.steps, density=args.density, batch_per_worker=args.batch_per_worker,
       learning_rate=args.learning_rate, momentum=args.momentum,
-      warmup_steps=args.warmup_steps, eval_every=args.eval_every, seed=args.seed,
+      warmup_steps=args.warmup_steps, density_warmup=args.density_warmup,
+      value_dtype=args.value_dtype,
+      eval_every=args.eval_every, seed=args.seed,
   )
   demo.run_demo(
       args.method, config=config, workers=args.workers, run_dir=args.run_dir,

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax import _collectives, _exchange, _feedback, _selection, _stats
+from exdyna_jax import _collectives, _exchange, _feedback, _options, _selection, _stats
 
 
 def cltk(
-    density: float | Mapping[int, float], *, axis_name: str = "data"
+    density: float | Mapping[int, float],
+    *,
+    axis_name: str = "data",
+    value_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformationExtraArgs:
   """Cyclic local top-k (CLT-k) with error feedback, as an optax transform.
 
@@ -41,6 +45,9 @@ def cltk(
       dense all-reduce; see `dgc_warmup`): each level is compiled once and
       chosen by the step count, so the bytes sent follow the current level.
     axis_name: name of the data-parallel axis.
+    value_dtype: the dtype the exchanged values are summed in: float32
+      (default), bfloat16 or float16 (half the value bytes; what each
+      worker's rounding loses stays in its residual).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -74,6 +81,8 @@ def cltk(
     0.325
   """
 
+  value_dtype = _options.check_value_dtype(value_dtype)
+
   def sparsify(accumulated, stats, num_workers, k):
     num_elements = accumulated.shape[0]
     leader = stats.step % num_workers
@@ -88,9 +97,9 @@ def cltk(
 
     mine = jax.lax.cond(jax.lax.axis_index(axis_name) == leader, lead, follow, accumulated)
     chosen = _collectives.broadcast_from(mine, leader, axis_name)
-    sparse = _exchange.aggregate_at(accumulated, chosen[:k], axis_name)
+    sparse = _exchange.aggregate_at(accumulated, chosen[:k], axis_name, value_dtype)
     index_bytes = (k + 1) * _collectives.INDEX_BYTES
-    value_bytes = k * _collectives.VALUE_BYTES
+    value_bytes = k * value_dtype.itemsize
     new_stats = _stats.unpartitioned_stats(
         step=stats.step + 1,
         threshold=_collectives.bits_float(chosen[k]),

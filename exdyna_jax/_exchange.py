@@ -124,14 +124,27 @@ def gather_indices(
   return gathered[:, :capacity], gathered[:, capacity:]
 
 
-def aggregate_at(accumulated: jax.Array, indices: jax.Array, axis_name: str) -> SparseUpdate:
+def aggregate_at(
+    accumulated: jax.Array,
+    indices: jax.Array,
+    axis_name: str,
+    value_dtype: jnp.dtype = jnp.float32,
+) -> SparseUpdate:
   """Mean of all workers' accumulated gradients at ``indices`` (one ``psum``).
+
+  With a narrow ``value_dtype`` (bfloat16, float16) each worker sends its
+  value divided by ``n``, rounded (and clipped to the dtype's range over
+  ``n``, so the sum cannot overflow); the ``psum`` of those is the mean, and
+  what the rounding and clipping took from the worker's value is ``kept`` in
+  its residual. (The sum itself is formed in ``value_dtype``; its rounding is
+  not kept.)
 
   Args:
     accumulated: float32 ``[N]`` this worker's accumulated gradient.
     indices: int32 array of any shape, the same on every worker; the sentinel
       ``N`` is ignored and duplicates are harmless.
     axis_name: the data-parallel axis.
+    value_dtype: the dtype the values are summed in (float32: exact as before).
 
   Returns:
     The `SparseUpdate` at the flattened ``indices``.
@@ -139,7 +152,12 @@ def aggregate_at(accumulated: jax.Array, indices: jax.Array, axis_name: str) -> 
   num_workers = _collectives.axis_size(axis_name)
   flat_indices = indices.reshape(-1)
   values = accumulated.at[flat_indices].get(mode="fill", fill_value=0)
-  return SparseUpdate(flat_indices, jax.lax.psum(values, axis_name) / num_workers)
+  if jnp.dtype(value_dtype) == values.dtype:
+    return SparseUpdate(flat_indices, jax.lax.psum(values, axis_name) / num_workers)
+  limit = float(jnp.finfo(value_dtype).max) / num_workers
+  sent = jnp.clip(values / num_workers, -limit, limit).astype(value_dtype)
+  mean = jax.lax.psum(sent, axis_name).astype(values.dtype)
+  return SparseUpdate(flat_indices, mean, kept=values - num_workers * sent.astype(values.dtype))
 
 
 def compact(gathered_indices: jax.Array, slots: int, num_elements: int) -> jax.Array:
@@ -170,6 +188,7 @@ def exchange(
     axis_name: str,
     *,
     value_slots: int | None = None,
+    value_dtype: jnp.dtype = jnp.float32,
 ) -> Exchanged:
   """All-gathers index buffers (and side information) and sums the values there.
 
@@ -184,6 +203,7 @@ def exchange(
     side_info: int32 ``[S]`` small per-worker integers every worker needs.
     axis_name: the data-parallel axis.
     value_slots: static number of values summed, or None for all ``n C``.
+    value_dtype: the dtype the values are summed in (`aggregate_at`).
 
   Returns:
     The `Exchanged` result.
@@ -192,7 +212,7 @@ def exchange(
   reduced = gathered_indices
   if value_slots is not None:
     reduced = compact(gathered_indices, value_slots, accumulated.shape[0])
-  sparse = aggregate_at(accumulated, reduced, axis_name)
+  sparse = aggregate_at(accumulated, reduced, axis_name, value_dtype)
   return Exchanged(sparse, gathered_indices, gathered_info)
 
 
@@ -215,17 +235,21 @@ def distinct_count(indices: jax.Array, num_elements: int) -> jax.Array:
 
 
 def exchange_bytes(
-    num_workers: int, capacity: int, side_info: int, value_slots: int | None = None
+    num_workers: int,
+    capacity: int,
+    side_info: int,
+    value_slots: int | None = None,
+    value_bytes: int = _collectives.VALUE_BYTES,
 ) -> int:
   """Bytes one worker sends per step in `exchange`, for ring collectives.
 
   A ring all-gather of ``M`` bytes per worker sends ``(n-1) M``; a ring
   all-reduce of ``M`` bytes sends ``2 (n-1) / n M``. The values all-reduced are
-  ``value_slots`` floats, or ``n C`` without compaction.
+  ``value_slots`` values of ``value_bytes`` each, or ``n C`` without compaction.
   """
   if value_slots is None:
     value_slots = num_workers * capacity
   gathered_bytes = (capacity + side_info) * _collectives.INDEX_BYTES
   gather = _collectives.ring_all_gather_bytes(num_workers, gathered_bytes)
-  reduce = _collectives.ring_all_reduce_bytes(num_workers, value_slots * _collectives.VALUE_BYTES)
+  reduce = _collectives.ring_all_reduce_bytes(num_workers, value_slots * value_bytes)
   return gather + reduce

@@ -20,7 +20,7 @@ The step, top to bottom (`_partitioned_transform`, shared with MiCRO):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +115,7 @@ def exdyna(
     capacity_factor: float | None = None,
     controller: str = "adaptive",
     partitioner: str | None = None,
+    value_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformationExtraArgs:
   """ExDyna gradient sparsification with error feedback, as an optax transform.
 
@@ -159,6 +160,9 @@ def exdyna(
       multiple of 32 elements with the remainder in the last partition, and
       the published neighbour rule, bit for bit). None (default):
       ``"reference"`` when ``controller="reference"``, else ``"balanced"``.
+    value_dtype: the dtype the exchanged values are summed in: float32
+      (default), bfloat16 or float16 (half the value bytes; what each
+      worker's rounding loses stays in its residual).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -227,6 +231,7 @@ def exdyna(
       controller=controller,
       geometry_fn=geometry_fn,
       partitioner=partitioner,
+      value_dtype=value_dtype,
   )
 
 
@@ -238,6 +243,7 @@ def _partitioned_transform(
     controller: str,
     geometry_fn: Callable[[int, int], _partition.BlockGeometry],
     partitioner: str,
+    value_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformationExtraArgs:
   """The step of ExDyna and MiCRO, for one partitioner.
 
@@ -251,11 +257,13 @@ def _partitioned_transform(
     geometry_fn: ``(N, n) -> BlockGeometry`` (validates and raises).
     partitioner: ``"balanced"``, ``"reference"`` (the published neighbour
       rule) or ``"static"`` (partitions never move: MiCRO).
+    value_dtype: the dtype the values are summed in.
 
   Returns:
     The optax transformation; its state is an `ExDynaState`.
   """
   levels = _density_schedule.density_levels(density)
+  value_dtype = _options.check_value_dtype(value_dtype)
   if capacity_factor is not None:
     capacity_factor = _options.check_capacity_factor(capacity_factor)
   threshold_controller = _threshold.get_controller(controller)
@@ -333,7 +341,8 @@ def _partitioned_transform(
       # Exchange: index buffers with each worker's pass count, values summed.
       packed = slots if slots < num_workers * capacity else None
       exchanged = _exchange.exchange(
-          accumulated, selection.indices, selection.passed[None], axis_name, value_slots=packed
+          accumulated, selection.indices, selection.passed[None], axis_name, value_slots=packed,
+          value_dtype=value_dtype,
       )
       # Per worker: elements over the threshold, and the indices it chose from
       # them (the fallback index when none passed), both before the capacity limit.
@@ -367,7 +376,7 @@ def _partitioned_transform(
           partition_starts=starts,
           partition_sizes=sizes,
           bytes_sent=_stats.static_bytes(
-              _exchange.exchange_bytes(num_workers, capacity, 1, packed)
+              _exchange.exchange_bytes(num_workers, capacity, 1, packed, value_dtype.itemsize)
               + _threshold.control_bytes(threshold_controller, num_workers)
           ),
       )

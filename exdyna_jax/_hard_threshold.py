@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax.numpy as jnp
 import optax
@@ -27,6 +28,7 @@ def hard_threshold(
     axis_name: str = "data",
     capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
     capacity: int | None = None,
+    value_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformationExtraArgs:
   """Fixed-threshold sparsification with error feedback, as an optax transform.
 
@@ -59,6 +61,9 @@ def hard_threshold(
       ``density``).
     capacity: index slots per worker; overrides ``capacity_factor``, and is
       required with ``threshold``.
+    value_dtype: the dtype the exchanged values are summed in: float32
+      (default), bfloat16 or float16 (half the value bytes; what each
+      worker's rounding loses stays in its residual).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -111,6 +116,7 @@ def hard_threshold(
       )
   if capacity is not None:
     capacity = _options.check_capacity(capacity)
+  value_dtype = _options.check_value_dtype(value_dtype)
 
   def settings(num_elements: int) -> tuple[float, int]:
     """``(threshold, capacity)`` for a model of ``N`` elements."""
@@ -132,7 +138,8 @@ def hard_threshold(
         chunk=_selection.chunk_length(num_elements, 1),
     )
     exchanged = _exchange.exchange(
-        accumulated, selection.indices, selection.passed[None], axis_name
+        accumulated, selection.indices, selection.passed[None], axis_name,
+        value_dtype=value_dtype,
     )
     passed = exchanged.gathered_info[:, 0]
     new_stats = _stats.unpartitioned_stats(
@@ -143,7 +150,9 @@ def hard_threshold(
         overflow=jnp.sum(jnp.maximum(passed - slots, 0)),
         workloads=passed,
         num_elements=num_elements,
-        bytes_sent=_exchange.exchange_bytes(num_workers, slots, 1),
+        bytes_sent=_exchange.exchange_bytes(
+            num_workers, slots, 1, value_bytes=value_dtype.itemsize
+        ),
     )
     return exchanged.sparse, new_stats
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
+import jax.numpy as jnp
 import optax
 
 from exdyna_jax import _exdyna, _partition
@@ -17,6 +19,7 @@ def micro(
     axis_name: str = "data",
     capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
     controller: str = "adaptive",
+    value_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformationExtraArgs:
   """MiCRO gradient sparsification with error feedback, as an optax transform.
 
@@ -40,6 +43,9 @@ def micro(
       dense all-reduce; see `dgc_warmup`): each level is compiled once and
       chosen by the step count, so the bytes sent follow the current level.
     axis_name: name of the data-parallel axis.
+    value_dtype: the dtype the exchanged values are summed in: float32
+      (default), bfloat16 or float16 (half the value bytes; what each
+      worker's rounding loses stays in its residual).
     capacity_factor: per-worker index buffer size as a multiple of ``k / n``.
     controller: ``"adaptive"`` (default) or ``"reference"`` (the published
       threshold rule, exactly).
@@ -83,4 +89,5 @@ def micro(
       controller=controller,
       geometry_fn=_partition.element_geometry,
       partitioner="static",
+      value_dtype=value_dtype,
   )

@@ -137,3 +137,20 @@ def check_positive_int(value: int, name: str, meaning: str = "") -> int:
 def check_capacity(capacity: int) -> int:
   """Returns ``capacity`` (index slots per worker), or raises if not a positive int."""
   return check_positive_int(capacity, "capacity", "index slots per worker")
+
+
+VALUE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_value_dtype(value_dtype) -> np.dtype:
+  """``value_dtype`` as a dtype (float32, bfloat16 or float16), or raises listing them."""
+  try:
+    dtype = jax.numpy.dtype(value_dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or dtype.name not in VALUE_DTYPES:
+    raise ValueError(
+        f"value_dtype must be one of {', '.join(VALUE_DTYPES)} (the dtype the exchanged "
+        f"values are summed in), got {value_dtype!r}."
+    )
+  return dtype

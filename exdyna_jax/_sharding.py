@@ -14,10 +14,12 @@ per-worker gradients stacked along that axis instead.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 import optax
 from jax import P
 
@@ -32,6 +34,37 @@ def add_worker_axis(tree):
 def drop_worker_axis(tree):
   """Drops the leading worker axis of every leaf (per-worker state into shard_map)."""
   return jax.tree.map(lambda x: x[0], tree)
+
+
+def warn_if_not_first(opt_state: Any, params: Any) -> None:
+  """Warns when a transform with per-parameter state comes before the sparsifier.
+
+  Such a transform (momentum, Adam's moments, ...) runs on each worker's
+  local gradient, and the sparsifier then compresses its output instead of
+  the gradient: the chain trains, but not as the method intends. Its state
+  shows it: leaves shaped like a parameter before the sparsifier's state in
+  the chain's state. (A stateless transform before it, such as clipping,
+  leaves no trace; `docs/bad_inputs.md` lists it.)
+
+  Args:
+    opt_state: the state ``init`` returned, with the leading worker axis.
+    params: the parameters it was built for.
+  """
+  param_shapes = {np.shape(leaf) for leaf in jax.tree.leaves(params) if np.size(leaf) > 1}
+  is_sparsifier = lambda node: isinstance(getattr(node, "stats", None), _stats.SparsifierStats)  # noqa: E731
+  for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_sparsifier)[0]:
+    if is_sparsifier(leaf):
+      return
+    if np.shape(leaf)[1:] in param_shapes:
+      warnings.warn(
+          "A transform with per-parameter state (at opt_state"
+          f"{jax.tree_util.keystr(path)}) runs before the sparsifier: it sees each "
+          "worker's local gradient and the sparsifier compresses its output. Put the "
+          "sparsifier first: optax.chain(exdyna_jax.exdyna(...), <the rest>).",
+          UserWarning,
+          stacklevel=3,
+      )
+      return
 
 
 class DataParallel(NamedTuple):
@@ -171,7 +204,9 @@ def data_parallel(
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
   def init(params):
-    return shard(lambda p: add_worker_axis(tx.init(p)), P(), per_worker)(params)
+    opt_state = shard(lambda p: add_worker_axis(tx.init(p)), P(), per_worker)(params)
+    warn_if_not_first(opt_state, params)
+    return opt_state
 
   def update(worker_grads, opt_state, params=None, **extra_args):
     def body(grads, state, params):

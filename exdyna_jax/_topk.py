@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax import _collectives, _exchange, _feedback, _selection, _stats
+from exdyna_jax import _collectives, _exchange, _feedback, _options, _selection, _stats
 
 
 def topk(
-    density: float | Mapping[int, float], *, axis_name: str = "data"
+    density: float | Mapping[int, float],
+    *,
+    axis_name: str = "data",
+    value_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformationExtraArgs:
   """Exact local top-k with error feedback, as an optax transform.
 
@@ -39,6 +43,9 @@ def topk(
       dense all-reduce; see `dgc_warmup`): each level is compiled once and
       chosen by the step count, so the bytes sent follow the current level.
     axis_name: name of the data-parallel axis.
+    value_dtype: the dtype the exchanged values are summed in: float32
+      (default), bfloat16 or float16 (half the value bytes; what each
+      worker's rounding loses stays in its residual).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -77,11 +84,14 @@ def topk(
     True
   """
 
+  value_dtype = _options.check_value_dtype(value_dtype)
+
   def sparsify(accumulated, stats, num_workers, k):
     num_elements = accumulated.shape[0]
     indices, kth = _selection.select_top_k(accumulated, k)
     exchanged = _exchange.exchange(
-        accumulated, indices, _collectives.float_bits(kth)[None], axis_name
+        accumulated, indices, _collectives.float_bits(kth)[None], axis_name,
+        value_dtype=value_dtype,
     )
     selected = jnp.int32(num_workers * k)
     new_stats = _stats.unpartitioned_stats(
@@ -92,7 +102,7 @@ def topk(
         overflow=jnp.zeros((), jnp.int32),
         workloads=jnp.full((num_workers,), k, jnp.int32),
         num_elements=num_elements,
-        bytes_sent=_exchange.exchange_bytes(num_workers, k, 1),
+        bytes_sent=_exchange.exchange_bytes(num_workers, k, 1, value_bytes=value_dtype.itemsize),
     )
     return exchanged.sparse, new_stats
 

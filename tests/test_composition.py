@@ -10,6 +10,7 @@ Gradient accumulation wraps the whole chain, so that the sparsifier runs
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -260,3 +261,22 @@ def test_a_transform_that_already_mixed_workers_before_the_sparsifier_is_refused
   )
   with pytest.raises(ValueError, match=r"already summed across workers.*first in the chain"):
     jax.jit(fn)(grads)
+
+
+def test_a_stateful_transform_before_the_sparsifier_is_warned_about_by_data_parallel():
+  """Adam's moments before the sparsifier: each worker's local gradient is preconditioned
+  and the sparsifier compresses that. data_parallel's init sees it in the state's order."""
+  mesh = harness.mesh_of(NUM_WORKERS)
+  with pytest.warns(UserWarning, match=r"opt_state\[0\]\.mu.*runs before the sparsifier"):
+    exdyna_jax.data_parallel(optax.chain(optax.scale_by_adam(), sparsifier()), mesh).init(
+        params()
+    )
+  fine = [
+      optax.chain(sparsifier(), optax.adam(0.1)),
+      optax.MultiSteps(optax.chain(sparsifier(), optax.sgd(0.1, momentum=0.9)), 4),
+      optax.inject_hyperparams(lambda lr: optax.chain(sparsifier(), optax.sgd(lr, 0.9)))(0.1),
+  ]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for tx in fine:
+      exdyna_jax.data_parallel(tx, mesh).init(params())

@@ -66,6 +66,11 @@ class TrainConfig:
       on digits, 0.9 diverges (70 % accuracy after 500 steps) where plain
       SGD at a higher rate matches dense.
     warmup_steps: linear learning-rate warm-up steps (0: none).
+    density_warmup: steps per level of a DGC-style density warm-up
+      (`exdyna_jax.dgc_warmup`: 25 %, then a quarter of it per level down to
+      ``density``; 0: none).
+    value_dtype: the dtype the sparsifier sums the exchanged values in
+      (``"float32"``, ``"bfloat16"``, ``"float16"``).
     eval_every: evaluate on held-out data every this many steps.
     seed: seed of the parameters and of the batches (the same for every
       method, so runs differ only in the exchange).
@@ -77,15 +82,27 @@ class TrainConfig:
   learning_rate: float = 0.3
   momentum: float = 0.0
   warmup_steps: int = 0
+  density_warmup: int = 0
+  value_dtype: str = "float32"
   eval_every: int = 25
   seed: int = 0
 
 
-def sparsifier_for(method: str, density: float) -> optax.GradientTransformationExtraArgs:
-  """The registered method ``method`` at ``density`` (``dense`` ignores it)."""
+def density_of(config: TrainConfig) -> float | dict[int, float]:
+  """The ``density`` a sparsifier gets: a number, or the warm-up schedule."""
+  if config.density_warmup > 0:
+    return exdyna_jax.dgc_warmup(config.density, steps_per_level=config.density_warmup)
+  return config.density
+
+
+def sparsifier_for(
+    method: str, density: float | dict[int, float], value_dtype: str = "float32"
+) -> optax.GradientTransformationExtraArgs:
+  """The registered method ``method`` at ``density`` (``dense`` ignores both)."""
   if method.lower() == "dense":
     return exdyna_jax.get_sparsifier("dense", axis_name=AXIS)
-  return exdyna_jax.get_sparsifier(method, density=density, axis_name=AXIS)
+  options = {} if value_dtype == "float32" else {"value_dtype": value_dtype}
+  return exdyna_jax.get_sparsifier(method, density=density, axis_name=AXIS, **options)
 
 
 def optimizer_for(method: str, config: TrainConfig) -> optax.GradientTransformation:
@@ -94,7 +111,8 @@ def optimizer_for(method: str, config: TrainConfig) -> optax.GradientTransformat
   if config.warmup_steps > 0:
     learning_rate = optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
   return optax.chain(
-      sparsifier_for(method, config.density), optax.sgd(learning_rate, momentum=config.momentum)
+      sparsifier_for(method, density_of(config), config.value_dtype),
+      optax.sgd(learning_rate, momentum=config.momentum),
   )
 
 
@@ -182,7 +200,8 @@ class MethodRun:
   Attributes:
     method: registry name.
     num_elements: ``N``, gradient elements.
-    target: ``k`` elements per step (``N`` for dense).
+    target: ``k`` elements per step (``N`` for dense; the last level's with a
+      density warm-up: each record's ``sent_over_k`` is against its step's).
     records: one dict per step (see `train_method`).
     final_metrics: `Task.evaluate` after the last step.
     hlo_bytes: bytes per worker per step, from the compiled HLO.
@@ -252,6 +271,13 @@ def train_method(
   params = jax.device_put(task.init_params(jax.random.key(config.seed)), replicated)
   num_elements = sum(leaf.size for leaf in jax.tree.leaves(params))
   target = num_elements if method == "dense" else math.floor(config.density * num_elements)
+  levels = density_of(config) if method != "dense" else {0: 1.0}
+  levels = levels if isinstance(levels, dict) else {0: levels}
+
+  def target_at(step):  # k of the density level the 1-based step ran at
+    density = levels[max(first for first in levels if first < step)]
+    return num_elements if density == 1.0 else math.floor(density * num_elements)
+
   global_batch = num_workers * config.batch_per_worker
   tx = optimizer_for(method, config)
   compiled = compile_method(task, tx, mesh, params, task.sample_batch(rng, global_batch))
@@ -269,7 +295,9 @@ def train_method(
     start = time.perf_counter()
     params, opt_state, losses, stats = compiled.step(params, opt_state, inputs, targets)
     losses, stats = jax.device_get((losses, stats))
-    record = _record(step, time.perf_counter() - start, losses, stats, num_elements, target)
+    record = _record(
+        step, time.perf_counter() - start, losses, stats, num_elements, target_at(step)
+    )
     if step % config.eval_every == 0 or step == config.steps:
       metrics = {name: float(value) for name, value in evaluate(params).items()}
       record.update(metrics)
