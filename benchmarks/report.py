@@ -624,7 +624,7 @@ def training_options_section(rep: Report, options: dict | None) -> None:
     ratio = "-" if base is None else f"{row['mean_bytes_sent'] / base['mean_bytes_sent']:.3f}"
     rows.append([
         row["model"], row["density"], row["variant"], row["metric"].replace("_", " "), shown,
-        delta, f"{row['mean_density_sent']:.3%}", _mb(row["mean_bytes_sent"]), ratio,
+        delta, f"{row['mean_density_sent']:.3%}", f"{row['mean_bytes_sent'] / 1e3:,.1f} kB", ratio,
     ])
   wire = options["wire"]
   f32, bf16 = wire["bytes"]["float32"], wire["bytes"]["bfloat16"]

@@ -46,6 +46,13 @@ def _positive_int(text: str) -> int:
   return value
 
 
+def _non_negative_int(text: str) -> int:
+  value = int(text)
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text}")
+  return value
+
+
 def _density(text: str) -> float:
   value = float(text)
   if not 0 < value <= 1:
@@ -90,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
   demo.add_argument("--momentum", type=float, default=0.0,
                     help="SGD momentum, applied after aggregation; with error feedback "
                     "at low density it amplifies stale bursts (default: 0)")
-  demo.add_argument("--density-warmup", type=int, default=0, metavar="STEPS",
+  demo.add_argument("--density-warmup", type=_non_negative_int, default=0, metavar="STEPS",
                     help="a DGC-style density warm-up, STEPS per level: 25 %%, then a "
                     "quarter per level down to --density (default: 0, none)")
   demo.add_argument("--value-dtype", default="float32",

@@ -63,6 +63,25 @@ def test_printed_traffic_ratio_is_the_compiled_programs(demo_run):
     assert sum(dims[0] if dims else 1 for _, dims in c["shapes"]) < num_elements // 10
 
 
+def test_density_warmup_and_bf16_values_from_the_command_line(tmp_path):
+  """--density-warmup 2: 25 %, 6.25 %, 1.5625 % for two steps each, then 1 %; the bytes
+  each step follow the level, and the table's bytes are the mean of what was sent."""
+  code = _cli.main([
+      "demo", "--density", "0.01", "--steps", "8", "--density-warmup", "2",
+      "--value-dtype", "bfloat16", "--eval-every", "8", "--run-dir", str(tmp_path),
+      "--no-progress", "--no-plots",
+  ])
+  assert code == 0
+  records = report.read_json_lines(tmp_path / "metrics-exdyna.jsonl")
+  sent = [r["bytes_sent"] for r in records]
+  assert sent[0] == sent[1] > sent[2] == sent[3] > sent[4] == sent[5] > sent[6] == sent[7]
+  assert 0.2 < records[0]["density"] <= 0.25 * 1.1
+  # Against each step's level, from its second step (the first re-measures the threshold).
+  assert all(0.9 < r["sent_over_k"] <= 1.11 for r in records[1::2])  # <= ceil(1.1 k) slots
+  summary = json.loads((tmp_path / "summary.json").read_text())["summaries"][1]
+  assert summary["stats_bytes"] == pytest.approx(sum(sent) / len(sent))
+
+
 def test_hlo_parser_prices_ring_collectives():
   hlo = """
 %small (p: s32[9]) -> s32[9] {
@@ -107,6 +126,10 @@ def test_cli_help_and_bad_arguments(capsys):
   assert "unknown method" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     _cli.main(["demo", "--density", "2"])
+  with pytest.raises(SystemExit):
+    _cli.main(["demo", "--density-warmup", "-1"])
+  with pytest.raises(SystemExit):
+    _cli.main(["demo", "--value-dtype", "int8"])
 
 
 def test_python_dash_m_entry_point():
