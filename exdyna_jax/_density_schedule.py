@@ -71,9 +71,15 @@ def density_levels(density: float | Mapping[int, float]) -> tuple[Level, ...]:
   return tuple(levels)
 
 
-def initial_density(levels: tuple[Level, ...]) -> float:
-  """The first density below 1: what the state (a threshold, say) starts for."""
-  return next(level.density for level in levels if level.density < 1.0 or len(levels) == 1)
+def initial_count(levels: tuple[Level, ...], num_elements: int) -> int:
+  """``k`` of the first level below 1 (what a state starts for, a threshold say).
+
+  Raises:
+    ValueError: if any level selects ``floor(density * N) = 0`` elements.
+  """
+  counts = [_options.target_count(level.density, num_elements) for level in levels]
+  sparse = [k for k, level in zip(counts, levels, strict=True) if level.density < 1.0]
+  return (sparse or counts)[0]
 
 
 def check_unscheduled(density: Any, method: str) -> float:
@@ -142,7 +148,7 @@ def scheduled_step(
   if len(levels) == 1:
     return step_for(levels[0].density)
   steps = [None if level.density == 1.0 else step_for(level.density) for level in levels]
-  first_steps = jnp.asarray([level.first_step for level in levels], jnp.int32)
+  first_steps = [level.first_step for level in levels]
   has_dense = None in steps
 
   def step(accumulated, state, num_workers):
@@ -193,7 +199,7 @@ def scheduled_step(
       return nothing, state._replace(residual=None, stats=stats)
 
     branches = [dense_branch if s is None else sparse_branch(s) for s in steps]
-    level = jnp.sum(state.stats.step >= first_steps) - 1
+    level = jnp.sum(state.stats.step >= jnp.asarray(first_steps, jnp.int32)) - 1
     sparse, new_state = jax.lax.switch(level, branches)
     return sparse, new_state._replace(residual=state.residual)
 

@@ -225,13 +225,8 @@ def exdyna(
         n_elements, _partition.REFERENCE_NUM_BLOCKS if blocks is None else blocks, n_workers
     )
   return _partitioned_transform(
-      density,
-      axis_name=axis_name,
-      capacity_factor=capacity_factor,
-      controller=controller,
-      geometry_fn=geometry_fn,
-      partitioner=partitioner,
-      value_dtype=value_dtype,
+      density, axis_name=axis_name, capacity_factor=capacity_factor, controller=controller,
+      geometry_fn=geometry_fn, partitioner=partitioner, value_dtype=value_dtype,
   )
 
 
@@ -271,9 +266,7 @@ def _partitioned_transform(
 
   def init_state(residual, num_elements, num_workers):
     geometry = geometry_fn(num_elements, num_workers)
-    for level in levels:  # rejects a level with k = 0
-      _options.target_count(level.density, num_elements)
-    target = _options.target_count(_density_schedule.initial_density(levels), num_elements)
+    target = _density_schedule.initial_count(levels, num_elements)
     sizes = _partition.initial_sizes(geometry.num_blocks, num_workers)
     if balanced:
       block_workloads, worker_scales = _balance.initial_estimate(geometry)

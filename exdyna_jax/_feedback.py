@@ -8,16 +8,9 @@ residual, guards against non-finite gradients, writes the update and the new
 residual in place, keeps in the residual what rounding the update to a
 narrow leaf dtype loses, and unflattens the update.
 
-Non-finite policy (every registered method, SparDL and dense included, through
-`_guard.count_nonfinite` and `_guard.skip_if_nonfinite`): if the gradient ``g`` of *any*
-worker holds a NaN or an infinity, *every* worker skips the step. The update
-is zero, and the residual, threshold, partitions, workloads and step counter
-keep their previous values, so the bad values never enter the state;
-``stats.nonfinite`` counts the bad elements over all workers and
-``stats.skipped_steps`` the skipped steps. The decision costs one int32
-``psum`` per step, and all workers take it together: a per-worker decision
-(as ``optax.apply_if_finite`` makes) would desynchronise the replicas.
-The residual ``m`` is finite by construction (it only ever holds finite
+Non-finite gradients (every registered method, SparDL and dense included):
+`_guard` skips the step on every worker together, so the bad values never
+enter the state. The residual ``m`` is finite by construction (it only ever holds finite
 accumulated values), so screening ``g`` screens ``g + m``, except for finite
 values whose sum overflows float32 (``|g + m| > 3.4e38``), which is not
 screened. Screening ``g`` before the sum is formed lets the sum be written in
@@ -298,8 +291,7 @@ def fixed_budget_transform(
   levels = _density_schedule.density_levels(density)
 
   def init_state(residual, num_elements, num_workers):
-    for level in levels:  # rejects a level with k = 0
-      _options.target_count(level.density, num_elements)
+    _density_schedule.initial_count(levels, num_elements)  # rejects a level with k = 0
     return ErrorFeedbackState(
         residual, unpartitioned_initial_stats(0.0, num_elements, num_workers)
     )

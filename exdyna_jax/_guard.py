@@ -1,11 +1,15 @@
 """The guard every update runs through: non-finite gradients and a resized state.
 
 If the gradient ``g`` of *any* worker holds a NaN or an infinity, *every*
-worker skips the step (one int32 ``psum`` decides it, so all take the same
-branch and the collectives stay matched): the update is zero and the state
-keeps its previous values. A state whose recorded worker count is not the
-axis size (a restore cut or padded its worker axis to fit) stops the step
-with an error on the host. Both decisions share one ``lax.switch``.
+worker skips the step: the update is zero and the residual, threshold,
+partitions and step counter keep their previous values; ``stats.nonfinite``
+counts the bad elements over all workers and ``stats.skipped_steps`` the
+skipped steps. One int32 ``psum`` decides it, so all workers take the same
+branch and the collectives stay matched (a per-worker decision, as
+``optax.apply_if_finite`` makes, would desynchronise them). A state whose
+recorded worker count is not the axis size (a restore cut or padded its
+worker axis to fit) stops the step with an error on the host. Both
+decisions share one ``lax.switch``.
 """
 
 from __future__ import annotations

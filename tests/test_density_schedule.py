@@ -82,7 +82,7 @@ def test_each_step_is_its_level(name):
   np.testing.assert_allclose(np.asarray(final.residual, np.float64).sum(0) + sent, given, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", SCHEDULED)
+@pytest.mark.parametrize("name", ["exdyna", "topk"])  # the other two share their steps
 def test_bytes_and_counts_follow_the_level(name):
   grads = gradients(1)
   _, states, _ = run(make(name, SCHEDULE), grads)
