@@ -1,4 +1,4 @@
-"""Quick start: ExDyna inside a jax.shard_map train step on 8 CPU devices.
+"""Quick start: ExDyna in a per-worker train step wired by data_parallel, on 8 CPU devices.
 
 Trains a small MLP on scikit-learn's bundled digits (no download) with 8
 simulated workers, sending 1 % of the gradient per step, and prints what the
@@ -18,7 +18,6 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax import P  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import exdyna_jax  # noqa: E402
@@ -61,50 +60,36 @@ def main():
   params = init_mlp(jax.random.key(0))
   tx = optax.chain(exdyna_jax.exdyna(density=args.density), optax.sgd(0.05, momentum=0.9))
 
-  # Each worker keeps its own optimizer state (its residual above all): the
-  # state gets a leading worker axis sharded over the mesh.
-  def init(params):
-    return jax.tree.map(lambda s: s[None], tx.init(params))
+  dp = exdyna_jax.data_parallel(tx, mesh)
 
-  opt_state = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=P(), out_specs=P(AXIS)))(params)
-
-  def train_step(params, opt_state, x, y):
-    opt_state = jax.tree.map(lambda s: s[0], opt_state)
+  # The step one worker runs: its shard of the batch, its own optimizer state
+  # (its residual above all). dp.step wraps it in a jax.shard_map (with
+  # check_vma=False, so the gradient of the replicated params stays local:
+  # no hidden dense psum), jits it and donates the params and the state.
+  @dp.step
+  def step(params, opt_state, batch):
+    x, y = batch
     loss, grads = jax.value_and_grad(loss_fn)(params, x, y)  # this worker's own gradient
     updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    return params, jax.tree.map(lambda s: s[None], opt_state), jax.lax.pmean(loss, AXIS)
+    return optax.apply_updates(params, updates), opt_state, loss
 
-  step = jax.jit(
-      jax.shard_map(
-          train_step,
-          mesh=mesh,
-          in_specs=(P(), P(AXIS), P(AXIS), P(AXIS)),
-          out_specs=(P(), P(AXIS), P()),
-          # With check_vma=False the gradient of the replicated params stays
-          # local (no hidden dense psum), and the updates, identical on every
-          # worker by construction, leave through out_specs=P(). With
-          # check_vma=True, differentiate jax.lax.pcast(params, AXIS,
-          # to="varying") instead, and keep every state that follows the
-          # sparsifier per worker as well.
-          check_vma=False,
-      )
-  )
+  opt_state = dp.init(params)  # every leaf: a leading worker axis sharded over the mesh
 
   rng = np.random.default_rng(0)
   num_elements = sum(leaf.size for leaf in jax.tree.leaves(params))
   target = int(args.density * num_elements)
   for t in range(args.steps):
     idx = rng.integers(0, len(x_train), n * args.batch_per_worker)
-    params, opt_state, loss = step(params, opt_state, x_train[idx], y_train[idx])
-    jax.block_until_ready(loss)  # CPU devices in one process: block every step (docs/multihost.md)
+    params, opt_state, losses = step(params, opt_state, (x_train[idx], y_train[idx]))
+    jax.block_until_ready(losses)  # CPU devices in one process: block (docs/multihost.md)
     if t % 50 == 0 or t == args.steps - 1:
-      stats = exdyna_jax.get_stats(opt_state)
+      stats = dp.stats(opt_state)  # the same on every worker: no worker axis
       print(
-          f"step {t:4d}  loss {float(loss):.4f}  sent {int(stats.transmitted[0]):5d} / k={target}"
-          f"  overflow {int(stats.overflow[0]):4d}"
-          f"  threshold {float(stats.threshold[0]):.2e}"
-          f"  imbalance {float(stats.imbalance[0]):.2f}"
+          f"step {t:4d}  loss {float(losses.mean()):.4f}"
+          f"  sent {int(stats.transmitted):5d} / k={target}"
+          f"  overflow {int(stats.overflow):4d}"
+          f"  threshold {float(stats.threshold):.2e}"
+          f"  imbalance {float(stats.imbalance):.2f}"
       )
   accuracy = float(jnp.mean(jnp.argmax(logits_fn(params, x_test), -1) == y_test))
   print(f"{n} workers, {num_elements} parameters, density {args.density}: "

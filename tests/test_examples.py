@@ -54,3 +54,13 @@ def test_char_transformer_example(tmp_path, capsys):
     assert loss_decreased(tmp_path / f"metrics-{run.method}.jsonl"), run.method
     assert run.final_metrics["test_perplexity"] < 128  # better than uniform over ASCII
   assert (tmp_path / "loss.png").exists() and (tmp_path / "table.txt").exists()
+
+
+def test_quickstart_example(monkeypatch, capsys):
+  monkeypatch.setattr(sys, "argv", ["quickstart.py", "--steps", "11"])
+  load_example("quickstart").main()
+  printed = capsys.readouterr().out.splitlines()
+  assert printed[0].startswith("step    0") and printed[1].startswith("step   10")
+  losses = [float(line.split("loss ")[1].split()[0]) for line in printed[:2]]
+  assert losses[1] < losses[0]
+  assert "8 workers, 85002 parameters, density 0.01: test accuracy" in printed[-1]
