@@ -6,8 +6,9 @@ per level (its own static buffers) and a ``lax.switch`` on the completed
 step count picks the current one, so the bytes sent each step are those of
 the current level, not the largest. A level of ``1.0`` is an exact dense
 all-reduce of the accumulated gradient (residual and gradient both sent,
-the residual cleared). The residual and the method's state carry over
-between levels unchanged.
+the residual cleared; as with `exdyna_jax.dense`, what rounding the mean to
+a bfloat16 or float16 leaf loses is not kept). The residual and the
+method's state carry over between levels unchanged.
 """
 
 from __future__ import annotations

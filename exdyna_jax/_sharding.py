@@ -236,7 +236,7 @@ def data_parallel(
       if not isinstance(outputs, tuple) or len(outputs) < 2:
         raise TypeError(
             "A step decorated with data_parallel(...).step must return a tuple "
-            f"(params, opt_state, *aux); {per_worker_step.__name__} returned "
+            f"(params, opt_state, *aux); {getattr(per_worker_step, '__name__', 'it')} returned "
             f"{type(outputs).__name__}."
         )
       params, opt_state, *aux = outputs
