@@ -161,3 +161,21 @@ def test_dgc_warmup_ends_at_the_density_and_trains():
   assert 0.5 * 0.01 * N <= int(stats.transmitted[0, -1]) <= 1.1 * 0.01 * N + 1
   with pytest.raises(ValueError, match="factor must be above 1"):
     exdyna_jax.dgc_warmup(0.01, steps_per_level=2, factor=1.0)
+
+
+@pytest.mark.parametrize(
+    "runner",
+    [
+        lambda tx, p, g: harness.run_shard_map(tx, p, g, check_vma=True),
+        harness.run_pmap,
+    ],
+    ids=["shard_map_varying_types", "pmap"],
+)
+def test_real_devices_run_the_same_schedule(runner):
+  """One branch per level under jax.shard_map (check_vma=True) and jax.pmap, as under vmap."""
+  tx = make("topk", {0: 0.05, 3: 1.0, 5: 0.02})
+  grads = gradients(4)
+  expected, _, _ = run(tx, grads)
+  updates = np.asarray(runner(tx, jnp.zeros(N), grads)[0])
+  np.testing.assert_allclose(updates[0], expected, rtol=1e-6, atol=1e-7)
+  np.testing.assert_array_equal(updates, np.broadcast_to(updates[:1], updates.shape))
