@@ -12,15 +12,12 @@ from __future__ import annotations
 import argparse
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from sklearn.datasets import load_digits
 
-jax.config.update("jax_num_cpu_devices", 8)
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-
-import exdyna_jax  # noqa: E402
+import exdyna_jax
 
 AXIS = "data"
 
@@ -97,4 +94,5 @@ def main():
 
 
 if __name__ == "__main__":
+  jax.config.update("jax_num_cpu_devices", 8)  # before JAX starts its backend
   main()

@@ -137,9 +137,7 @@ def exdyna(
 
   Args:
     density: fraction of gradient elements to send per step, in ``(0, 1]``. Or a schedule
-      ``{first_step: density}`` such as ``{0: 1.0, 500: 0.01}`` (1.0: a
-      dense all-reduce; see `dgc_warmup`): each level is compiled once and
-      chosen by the step count, so the bytes sent follow the current level.
+      ``{first_step: density}`` (`dgc_warmup`, :doc:`/usage`).
     axis_name: name of the data-parallel axis.
     num_blocks: number of blocks ``B``. None (default): for the balanced
       partitioner up to 1024 per worker of at least 32 elements (fewer for a
@@ -160,9 +158,8 @@ def exdyna(
       multiple of 32 elements with the remainder in the last partition, and
       the published neighbour rule, bit for bit). None (default):
       ``"reference"`` when ``controller="reference"``, else ``"balanced"``.
-    value_dtype: the dtype the exchanged values are summed in: float32
-      (default), bfloat16 or float16 (half the value bytes; what each
-      worker's rounding loses stays in its residual).
+    value_dtype: float32 (default), bfloat16 or float16: what the exchanged
+      values are summed in (:doc:`/usage`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an

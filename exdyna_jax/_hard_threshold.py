@@ -61,9 +61,8 @@ def hard_threshold(
       ``density``).
     capacity: index slots per worker; overrides ``capacity_factor``, and is
       required with ``threshold``.
-    value_dtype: the dtype the exchanged values are summed in: float32
-      (default), bfloat16 or float16 (half the value bytes; what each
-      worker's rounding loses stays in its residual).
+    value_dtype: float32 (default), bfloat16 or float16: what the exchanged
+      values are summed in (:doc:`/usage`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an

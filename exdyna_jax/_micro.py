@@ -39,13 +39,10 @@ def micro(
 
   Args:
     density: fraction of gradient elements to send per step, in ``(0, 1]``. Or a schedule
-      ``{first_step: density}`` such as ``{0: 1.0, 500: 0.01}`` (1.0: a
-      dense all-reduce; see `dgc_warmup`): each level is compiled once and
-      chosen by the step count, so the bytes sent follow the current level.
+      ``{first_step: density}`` (`dgc_warmup`, :doc:`/usage`).
     axis_name: name of the data-parallel axis.
-    value_dtype: the dtype the exchanged values are summed in: float32
-      (default), bfloat16 or float16 (half the value bytes; what each
-      worker's rounding loses stays in its residual).
+    value_dtype: float32 (default), bfloat16 or float16: what the exchanged
+      values are summed in (:doc:`/usage`).
     capacity_factor: per-worker index buffer size as a multiple of ``k / n``.
     controller: ``"adaptive"`` (default) or ``"reference"`` (the published
       threshold rule, exactly).
