@@ -31,9 +31,10 @@ class SparseUpdate(NamedTuple):
   ``kept`` (zero by default) at ``indices`` into the accumulated gradient
   (the new residual). Both writes are scatters of ``M`` elements, so the
   residual can stay in its own buffer: the error-feedback shell applies them
-  after the step's ``lax.cond``, which then returns only these ``M`` pairs
-  and no ``N``-sized array (an ``N``-sized result of a ``cond`` would be
-  copied into the donated state buffer).
+  after the guard's ``lax.switch``, which then returns only these ``M`` pairs
+  and no ``N``-sized array of the state (an ``N``-sized result of a ``cond``
+  would be copied into the donated state buffer; the mean of a schedule's
+  dense level, ``base``, is a new buffer).
 
   Attributes:
     indices: int32 ``[M]`` indices; the sentinel ``N`` (and anything else

@@ -127,7 +127,7 @@ def error_feedback_transform(
     nonfinite = _guard.count_nonfinite(updates, axis_name)
     accumulated = accumulate(updates, state.residual, nonfinite)  # [1, N]
 
-    def without_residual_and_stats(state):  # what the cond carries besides the stats
+    def without_residual_and_stats(state):  # what the switch carries besides the stats
       return state._replace(residual=None, stats=None)
 
     def run_step():
