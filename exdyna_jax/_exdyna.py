@@ -356,7 +356,7 @@ def _partitioned_transform(
       selected = jnp.sum(selected_per_worker)
       transmitted = jnp.minimum(jnp.sum(jnp.minimum(selected_per_worker, capacity)), slots)
       stats = _stats.SparsifierStats(
-          step=t + 1,
+          step=state.stats.step + 1,  # all steps (a density schedule's dense ones too)
           threshold=threshold,
           selected=selected,
           transmitted=transmitted,

@@ -106,7 +106,6 @@ def skip_if_nonfinite(
   output, stats = jax.lax.switch(branch, (step, skip_step, stop_resized))
   count_bytes = _collectives.ring_all_reduce_bytes(num_workers, _collectives.INDEX_BYTES)
   stats = stats._replace(
-      step=previous_stats.step + 1 - skip.astype(jnp.int32),  # what a density schedule reads
       nonfinite=nonfinite,
       skipped_steps=previous_stats.skipped_steps + skip.astype(jnp.int32),
       bytes_sent=stats.bytes_sent + count_bytes,
