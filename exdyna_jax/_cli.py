@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from exdyna_jax._registry import available_sparsifiers
+from exdyna_jax._registry import available_sparsifiers, registered_name
 
 DEMO_DESCRIPTION = """\
 Train the same model on real bundled data with `dense` (plain all-reduce) and
@@ -39,18 +39,16 @@ outputs (in --run-dir):
   loss.png, density_threshold.png, partitions.png, bytes.png"""
 
 
-def _positive_int(text: str) -> int:
-  value = int(text)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-  return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+  """An argparse type: an int of at least ``minimum``."""
 
+  def parse(text: str) -> int:
+    value = int(text)
+    if value < minimum:
+      raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text}")
+    return value
 
-def _non_negative_int(text: str) -> int:
-  value = int(text)
-  if value < 0:
-    raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text}")
-  return value
+  return parse
 
 
 def _density(text: str) -> float:
@@ -61,11 +59,12 @@ def _density(text: str) -> float:
 
 
 def _method(text: str) -> str:
-  name = text.lower().replace("-", "_")
-  if name not in available_sparsifiers():
+  try:
+    return registered_name(text)  # case, "-" and "_" ignored, as get_sparsifier does
+  except ValueError:
     raise argparse.ArgumentTypeError(
-        f"unknown method {text!r}; choose from {', '.join(available_sparsifiers())}")
-  return name
+        f"unknown method {text!r}; choose from {', '.join(available_sparsifiers())}"
+    ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,18 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
       f"{', '.join(m for m in available_sparsifiers() if m != 'dense')} (default: exdyna)")
   demo.add_argument("--density", type=_density, default=0.01,
                     help="fraction of gradient elements sent per step (default: 0.01)")
-  demo.add_argument("--steps", type=_positive_int, default=500,
+  demo.add_argument("--steps", type=_int_at_least(1), default=500,
                     help="training steps per method (default: 500)")
-  demo.add_argument("--workers", type=_positive_int, default=8,
+  demo.add_argument("--workers", type=_int_at_least(1), default=8,
                     help="simulated data-parallel workers (CPU devices) (default: 8)")
-  demo.add_argument("--batch-per-worker", type=_positive_int, default=32,
+  demo.add_argument("--batch-per-worker", type=_int_at_least(1), default=32,
                     help="examples per worker per step (default: 32)")
   demo.add_argument("--learning-rate", type=float, default=0.3,
                     help="SGD learning rate (default: 0.3)")
   demo.add_argument("--momentum", type=float, default=0.0,
                     help="SGD momentum, applied after aggregation; with error feedback "
                     "at low density it amplifies stale bursts (default: 0)")
-  demo.add_argument("--density-warmup", type=_non_negative_int, default=0, metavar="STEPS",
+  demo.add_argument("--density-warmup", type=_int_at_least(0), default=0, metavar="STEPS",
                     help="a DGC-style density warm-up, STEPS per level: 25 %%, then a "
                     "quarter per level down to --density (default: 0, none)")
   demo.add_argument("--value-dtype", default="float32",
@@ -106,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
   demo.add_argument("--warmup-steps", type=int, default=0,
                     help="linear learning-rate warm-up steps; helps very low densities "
                     "(default: 0)")
-  demo.add_argument("--eval-every", type=_positive_int, default=25,
+  demo.add_argument("--eval-every", type=_int_at_least(1), default=25,
                     help="evaluate on the test set every N steps (default: 25)")
   demo.add_argument("--seed", type=int, default=0, help="seed of weights and batches")
   demo.add_argument("--run-dir", type=pathlib.Path, default=None,

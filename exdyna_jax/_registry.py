@@ -68,13 +68,22 @@ def get_sparsifier(name: str, **options: Any) -> optax.GradientTransformationExt
       ...
     ValueError: Unknown sparsifier 'powersgd'; valid names: cltk, dense, exdyna, ...
   """
-  by_key = {_key(known): factory for known, factory in SPARSIFIERS.items()}
-  factory = by_key.get(_key(name)) if isinstance(name, str) else None
-  if factory is None:
+  return SPARSIFIERS[registered_name(name)](**options)
+
+
+def registered_name(name: str) -> str:
+  """The registered name ``name`` means, ignoring case, ``-`` and ``_``.
+
+  Raises:
+    ValueError: for an unknown name, listing the valid ones.
+  """
+  by_key = {_key(known): known for known in SPARSIFIERS}
+  known = by_key.get(_key(name)) if isinstance(name, str) else None
+  if known is None:
     raise ValueError(
         f"Unknown sparsifier {name!r}; valid names: {', '.join(available_sparsifiers())}."
     )
-  return factory(**options)
+  return known
 
 
 def _key(name: str) -> str:

@@ -124,6 +124,8 @@ def test_cli_help_and_bad_arguments(capsys):
   with pytest.raises(SystemExit):
     _cli.main(["demo", "--method", "nope"])
   assert "unknown method" in capsys.readouterr().err
+  # Names as get_sparsifier takes them: case, "-" and "_" ignored.
+  assert _cli.build_parser().parse_args(["demo", "--method", "Top-K"]).method == ["topk"]
   with pytest.raises(SystemExit):
     _cli.main(["demo", "--density", "2"])
   with pytest.raises(SystemExit):
