@@ -72,6 +72,11 @@ def density_levels(density: float | Mapping[int, float]) -> tuple[Level, ...]:
   return tuple(levels)
 
 
+def density_at(levels: tuple[Level, ...], completed_steps: int) -> float:
+  """The density of the step that follows ``completed_steps`` steps (on the host)."""
+  return next(level.density for level in reversed(levels) if level.first_step <= completed_steps)
+
+
 def initial_count(levels: tuple[Level, ...], num_elements: int) -> int:
   """``k`` of the first level below 1 (what a state starts for, a threshold say).
 

@@ -55,6 +55,7 @@ def summarize(run: MethodRun, dense_hlo_bytes: int | None) -> dict[str, Any]:
     (without the first step) and ``final_loss`` (mean of the last 10 steps).
   """
   records = run.records
+  stats_bytes = statistics.fmean(r["bytes_sent"] for r in records)
   timed = records[1:] or records
   settled = records[20:] or records
   summary = {"method": run.method, **run.final_metrics}
@@ -65,14 +66,12 @@ def summarize(run: MethodRun, dense_hlo_bytes: int | None) -> dict[str, Any]:
       median_sent_error=statistics.median(abs(r["sent_over_k"] - 1) for r in settled),
       overflow_per_step=statistics.fmean(r["overflow"] for r in records),
       hlo_bytes=run.hlo_bytes,
-      stats_bytes=statistics.fmean(r["bytes_sent"] for r in records),
-      ratio_to_dense=None,
+      stats_bytes=stats_bytes,
+      ratio_to_dense=stats_bytes / dense_hlo_bytes if dense_hlo_bytes else None,
       median_step_ms=1e3 * statistics.median(r["step_time_s"] for r in timed),
       num_elements=run.num_elements,
       target=run.target,
   )
-  if dense_hlo_bytes:
-    summary["ratio_to_dense"] = summary["stats_bytes"] / dense_hlo_bytes
   return summary
 
 

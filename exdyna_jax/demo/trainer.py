@@ -24,6 +24,7 @@ import optax
 from jax import P
 
 import exdyna_jax
+from exdyna_jax import _density_schedule
 from exdyna_jax._sharding import add_worker_axis, drop_worker_axis
 from exdyna_jax.demo import traffic
 
@@ -271,11 +272,10 @@ def train_method(
   params = jax.device_put(task.init_params(jax.random.key(config.seed)), replicated)
   num_elements = sum(leaf.size for leaf in jax.tree.leaves(params))
   target = num_elements if method == "dense" else math.floor(config.density * num_elements)
-  levels = density_of(config) if method != "dense" else {0: 1.0}
-  levels = levels if isinstance(levels, dict) else {0: levels}
+  levels = _density_schedule.density_levels(1.0 if method == "dense" else density_of(config))
 
   def target_at(step):  # k of the density level the 1-based step ran at
-    density = levels[max(first for first in levels if first < step)]
+    density = _density_schedule.density_at(levels, step - 1)
     return num_elements if density == 1.0 else math.floor(density * num_elements)
 
   global_batch = num_workers * config.batch_per_worker
