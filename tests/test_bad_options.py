@@ -68,6 +68,7 @@ def test_without_params_a_regrouped_tree_of_the_same_size_is_refused(name):
   built_for = {"a": jnp.zeros((2048,)), "b": jnp.zeros((2048,))}
   state = init_per_worker(tx, built_for)
 
+  @jax.jit
   def update(grads):
     return jax.vmap(lambda g, s: tx.update(g, s), axis_name=AXIS, axis_size=2)(grads, state)
 

@@ -167,7 +167,7 @@ def test_residual_mass_is_conserved_with_packed_values_and_overflow():
 @pytest.mark.parametrize("num_workers", [4, 16])
 def test_positional_profile_sends_k_with_little_overflow(num_workers):
   num_elements, density = 70_000, 0.01
-  stats = run_stats(density, positional_stream(num_workers, 70, num_elements, seed=num_workers))
+  stats = run_stats(density, positional_stream(num_workers, 50, num_elements, seed=num_workers))
   error, overflow = sent_density_error(stats, int(density * num_elements))
   assert error <= 0.03 and overflow <= 0.01, (error, overflow)
 

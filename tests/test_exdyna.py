@@ -121,7 +121,7 @@ def test_stats_are_readable_from_a_chained_state_in_one_line():
 
 def test_shard_map_pmap_and_vmap_agree():
   """The reference controller's agreement is in test_exdyna_reference.py."""
-  n = 8
+  n = 4
   params = mixed_params()
   grads = uneven_grads(2, params, n, 6)
   tx = exdyna_jax.exdyna(0.01, num_blocks=BLOCKS)

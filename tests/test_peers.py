@@ -254,7 +254,7 @@ def _imbalance_trace(tx, num_elements, num_steps, num_workers):
 
 
 def test_micro_stays_imbalanced_where_exdyna_rebalances():
-  num_elements, num_steps, num_workers = 65536, 160, 4
+  num_elements, num_steps, num_workers = 16384, 160, 4
   micro = _imbalance_trace(exdyna_jax.micro(0.01), num_elements, num_steps, num_workers)
   exdyna = _imbalance_trace(
       exdyna_jax.exdyna(0.01, num_blocks=256), num_elements, num_steps, num_workers
