@@ -21,33 +21,37 @@ FIELDS_PER_WORD = 5  # 5 x 6 bits fit an int32
 MIN_CHUNK = 1 << 16  # elements per iteration of `count_in_range`, at least
 
 
-def row_counts(passes: list[jax.Array]) -> jax.Array:
-  """Counts, per row of 32 elements, how many elements pass each predicate.
+def row_counts(magnitudes: jax.Array, thresholds: jax.Array) -> jax.Array:
+  """Counts, per row of 32 elements, how many magnitudes reach each threshold.
 
-  All predicates are counted in one pass over the vector: up to five 6-bit
+  All thresholds are counted in one pass over the vector: up to five 6-bit
   counts are packed into one int32 per element, and the packed words of all
-  predicates are summed over the rows by a single reduction, so the vector
-  is read once however many thresholds are probed.
+  thresholds are summed over the rows by a single reduction, so the vector
+  is read once however many thresholds are probed. The program is the same
+  size for any number of thresholds (five packing steps).
 
   Args:
-    passes: ``L`` bool ``[N]`` predicates.
+    magnitudes: float32 ``[N]`` (an element to leave out: -1; NaN reaches
+      no threshold).
+    thresholds: float32 ``[L]``, positive.
 
   Returns:
-    int32 ``[ceil(N / 32), L]`` per-row counts.
+    int32 ``[ceil(N / 32), L]`` per-row counts of ``magnitudes >= thresholds[l]``.
   """
-  num_elements = passes[0].shape[0]
-  full_rows = num_elements // ROW
-  groups = [passes[i : i + FIELDS_PER_WORD] for i in range(0, len(passes), FIELDS_PER_WORD)]
-  words = [sum(p.astype(jnp.int32) << (FIELD_BITS * j) for j, p in enumerate(g)) for g in groups]
-  packed = jnp.stack(words, axis=-1)  # [N, words]: one reduction reads every predicate
-  sums = jnp.sum(packed[: full_rows * ROW].reshape(full_rows, ROW, len(words)), axis=1)
-  if full_rows * ROW < num_elements:
-    sums = jnp.concatenate([sums, jnp.sum(packed[full_rows * ROW :], axis=0)[None]])
-  field = (1 << FIELD_BITS) - 1
-  columns = [
-      (sums[:, w] >> (FIELD_BITS * j)) & field for w, g in enumerate(groups) for j in range(len(g))
-  ]
-  return jnp.stack(columns, axis=1)
+  (num_thresholds,) = thresholds.shape
+  num_words = -(-num_thresholds // FIELDS_PER_WORD)
+  # Threshold l goes to field l % 5 of word l // 5; padding thresholds count nothing.
+  fields = jnp.pad(thresholds, (0, num_words * FIELDS_PER_WORD - num_thresholds),
+                   constant_values=jnp.inf).reshape(num_words, FIELDS_PER_WORD)
+  packed = sum(  # [words, N]
+      (magnitudes >= fields[:, j, None]).astype(jnp.int32) << (FIELD_BITS * j)
+      for j in range(min(FIELDS_PER_WORD, num_thresholds))
+  )
+  packed = jnp.pad(packed, ((0, 0), (0, -magnitudes.shape[0] % ROW)))
+  sums = jnp.sum(packed.reshape(num_words, -1, ROW), axis=2)  # [words, rows]
+  shifts = FIELD_BITS * jnp.arange(FIELDS_PER_WORD, dtype=jnp.int32)
+  columns = (sums[:, None, :] >> shifts[None, :, None]) & ((1 << FIELD_BITS) - 1)
+  return columns.reshape(num_words * FIELDS_PER_WORD, -1)[:num_thresholds].T
 
 
 def chunk_length(num_elements: int, num_workers: int) -> int:
@@ -102,14 +106,15 @@ def count_in_range(
     # Outside the range a magnitude of -1 passes no threshold (NaN passes none either).
     magnitudes = jnp.abs(jax.lax.dynamic_slice(accumulated, (start,), (chunk,)))
     magnitudes = jnp.where(inside & ~jnp.isnan(magnitudes), magnitudes, -1.0)
-    passes = [magnitudes >= thresholds[p] for p in range(thresholds.shape[0])]
-    return counts + jnp.sum(row_counts(passes), axis=0), jnp.maximum(largest, jnp.max(magnitudes))
+    counts = counts + jnp.sum(row_counts(magnitudes, thresholds), axis=0)
+    return counts, jnp.maximum(largest, jnp.max(magnitudes))
 
   first, last = begin // chunk, (end + chunk - 1) // chunk
-  # The first chunk outside the loop gives the carry the type (and, under
-  # shard_map, the varying axes) that the loop body returns.
-  carry = count_chunk(first, (jnp.zeros(thresholds.shape, jnp.int32), jnp.float32(0.0)))
-  return jax.lax.fori_loop(first + 1, last, count_chunk, carry)
+  # Zeros typed like the gradient (per worker under shard_map), so the loop
+  # carry has the type the body returns.
+  zero = jnp.zeros_like(accumulated, shape=())
+  carry = (jnp.zeros(thresholds.shape, jnp.int32) + zero.astype(jnp.int32), zero)
+  return jax.lax.fori_loop(first, last, count_chunk, carry)
 
 
 class Selection(NamedTuple):
@@ -169,7 +174,8 @@ def select_in_range(
     floor = jnp.maximum(begin, nominal)  # a shifted chunk's overlap is its neighbour's
     ids = start + jnp.arange(chunk, dtype=jnp.int32)
     magnitudes = jnp.abs(jax.lax.dynamic_slice(accumulated, (start,), (chunk,)))
-    counts = row_counts([(ids >= floor) & (ids < end) & (magnitudes >= threshold)])[:, 0]
+    inside = (ids >= floor) & (ids < end)
+    counts = row_counts(jnp.where(inside, magnitudes, -1.0), threshold[None])[:, 0]
     (rows,) = jnp.nonzero(counts > 0, size=take, fill_value=num_rows)
     at = (jnp.minimum(filled, capacity),)
     row_starts = jax.lax.dynamic_update_slice(row_starts, start + rows * ROW, at)
@@ -182,8 +188,9 @@ def select_in_range(
   # every worker.
   zero = jnp.zeros_like(accumulated, jnp.int32, shape=())
   empty = jnp.full((capacity + take,), num_elements, jnp.int32) + zero
-  carry = scan_chunk(first, (empty, empty, zero, zero))
-  row_starts, row_floors, filled, passed = jax.lax.fori_loop(first + 1, last, scan_chunk, carry)
+  row_starts, row_floors, filled, passed = jax.lax.fori_loop(
+      first, last, scan_chunk, (empty, empty, zero, zero)
+  )
 
   # Compact the picked rows: the first C passing elements lie in the first C
   # non-empty rows.
