@@ -89,8 +89,9 @@ def skip_if_nonfinite(
   if skipped is None:
     skipped = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype))
 
+  output_shapes, _ = jax.eval_shape(step)  # traced once for both branches that skip
+
   def skip_step():
-    output_shapes, _ = jax.eval_shape(step)
     silent = previous_stats._replace(bytes_sent=jnp.zeros_like(previous_stats.bytes_sent))
     return skipped(output_shapes), silent
 
