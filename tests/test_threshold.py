@@ -61,11 +61,14 @@ def solve(thresholds, counts, target):
 
 def test_probes_are_dense_next_to_the_previous_threshold_and_span_two_octaves():
   octaves = np.asarray(_threshold.ADAPTIVE_PROBE_OCTAVES)
-  assert len(octaves) == 19 and np.all(np.diff(octaves) > 0)
+  assert len(octaves) == 25 and np.all(np.diff(octaves) > 0)
   assert octaves[0] == -1 and octaves[-1] == 1 and 0 in octaves
   assert np.min(np.abs(np.diff(octaves))) == pytest.approx(1 / 512)
-  # 19 probes still pack into four count words of five 6-bit fields.
-  assert -(-len(octaves) // _selection.FIELDS_PER_WORD) == 4
+  # Within a quarter octave no segment is wider than 1/16 octave ...
+  near = octaves[np.abs(octaves) <= 1 / 4]
+  assert np.max(np.diff(near)) == pytest.approx(1 / 16)
+  # ... and 25 probes fill five count words of five 6-bit fields.
+  assert len(octaves) % _selection.FIELDS_PER_WORD == 0
 
 
 def test_a_power_law_curve_is_inverted_exactly():
