@@ -14,16 +14,17 @@ this step. Two are provided:
   probe thresholds ``c * 2^x`` around the previous threshold ``c``, with
   ``x`` in ``0, +-1/512, +-1/256, +-1/128, +-1/64, +-1/32, +-3/64, +-1/16,
   +-3/32, +-1/8, +-3/16, +-1/4, +-1`` octaves (`ADAPTIVE_PROBE_OCTAVES`), and
-  its largest ``|a|``; one ``all_gather`` of those 26 integers gives every worker every worker's
-  count curve of *this* step's accumulated gradient. Capping each worker's
-  count at its buffer gives the curve of indices that would be
-  *transmitted* (before the value slots' cap, which would flatten the curve
-  above ``1.1 k`` and bias the interpolation upwards), and the threshold is
-  where it meets ``k``, interpolated linearly in log-log between the two
-  points around ``k`` (`solve_count_curve`). The largest magnitude is one more known point of
-  the curve (one element passes it), so a jump of the gradient scale by any
-  factor is found again in a few steps, and with nothing to select
-  (``largest == 0``) the threshold keeps its value instead of collapsing.
+  its largest ``|a|``; one ``all_gather`` of those 26 integers gives every
+  worker every worker's count curve of *this* step's accumulated gradient.
+  Capping each worker's count at its buffer gives the curve of indices that
+  would be *transmitted* (not capped at the ``1.1 k`` value slots, which
+  would flatten it just above ``k`` and pull the interpolated threshold too
+  low), and the threshold is where it meets ``k``, interpolated linearly in
+  log-log between the two points around ``k`` (`solve_count_curve`). The
+  largest magnitude is one more known point of the curve (one element
+  passes it), so a jump of the gradient scale by any factor is found again
+  in a few steps, and with nothing to select (``largest == 0``) the
+  threshold keeps its value instead of collapsing.
 
 The adaptive rule costs one extra collective per step (26 int32 per worker)
 and one read of the worker's partition, in place and chunk by chunk
@@ -70,8 +71,8 @@ REFERENCE_FACTORS = (1.005, 1.00125, 0.995)
 # 4 workers (k = 112) from 3.6 % to 2.7 %. The +-3/64, +-3/32 and +-3/16
 # midpoints halve the segments a threshold moving 2-10 % in a step lands in:
 # on the 1.1M MLP at d = 0.001 on 4 workers, the 90th / 99th percentile of
-# selected / aimed fell from 1.19 / 1.46 to 1.09 / 1.17 (selections over the
-# value slots, 2.6 % of k, to 0.1 %). 25 probes fill five count words.
+# selected / aimed fell from 1.19 / 1.46 to 1.09 / 1.17 and its overflow from
+# 2.8 % of k to 0.1 %. 25 probes fill five count words.
 _NEAR = (1 / 512, 1 / 256, 1 / 128, 1 / 64, 1 / 32, 3 / 64, 1 / 16, 3 / 32, 1 / 8, 3 / 16,
          1 / 4, 1)
 ADAPTIVE_PROBE_OCTAVES = tuple(sorted((0.0, *_NEAR, *(-x for x in _NEAR))))
@@ -272,8 +273,9 @@ def _adaptive_choose(previous, selected, budget, correction, step, measure):
   ``correction`` (see `correct`). The ``M`` value slots are not a cap on
   that curve: capped at ``M`` it would flatten just above ``k`` and the
   interpolation would land too low. Instead the threshold is never so low
-  that more than ``min(n C, M)`` elements pass in all (a capacity below ``k`` then caps the density,
-  instead of the threshold falling without end). With nothing to select
+  that more than ``min(n C, M)`` elements pass in all (a capacity below
+  ``k`` then caps the density, instead of the threshold falling without
+  end). With nothing to select
   anywhere (``largest == 0``) the threshold stays where it is.
 
   Returns:
