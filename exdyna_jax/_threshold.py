@@ -10,25 +10,28 @@ this step. Two are provided:
   can never trigger, so the threshold creeps up there) and by ``x0.995``
   otherwise. Threshold arithmetic is float32.
 - ``"adaptive"`` (default) measures instead of guessing. Each worker counts,
-  in one pass over its own partition, how many elements pass each of 25
+  in one pass over its own partition, how many elements pass each of 27
   probe thresholds ``c * 2^x`` around the previous threshold ``c``, with
   ``x`` in ``0, +-1/512, +-1/256, +-1/128, +-1/64, +-1/32, +-3/64, +-1/16,
-  +-3/32, +-1/8, +-3/16, +-1/4, +-1`` octaves (`ADAPTIVE_PROBE_OCTAVES`), and
-  its largest ``|a|``; one ``all_gather`` of those 26 integers gives every
-  worker every worker's count curve of *this* step's accumulated gradient.
-  Capping each worker's count at its buffer gives the curve of indices that
-  would be *transmitted* (not capped at the ``1.1 k`` value slots, which
-  would flatten it just above ``k`` and pull the interpolated threshold too
-  low), and the threshold is where it meets ``k``, interpolated linearly in
-  log-log between the two points around ``k`` (`solve_count_curve`). The
-  largest magnitude is one more known point of the curve (one element
-  passes it), so a jump of the gradient scale by any factor is found again
-  in a few steps, and with nothing to select (``largest == 0``) the
-  threshold keeps its value instead of collapsing.
+  +-3/32, +-1/8, +-3/16, +-1/4, +-1/2, +-1`` octaves
+  (`ADAPTIVE_PROBE_OCTAVES`), and its largest ``|a|``; one ``all_gather`` of
+  those 28 integers gives every worker every worker's count curve of *this*
+  step's accumulated gradient. Capping each worker's count at its buffer
+  gives the curve of indices that would be *transmitted* (not capped at the
+  ``1.1 k`` value slots, which would flatten it just above ``k`` and pull
+  the interpolated threshold too low), and the threshold is where it meets
+  ``k``, interpolated linearly in log-log between the two points around
+  ``k`` (`solve_count_curve`), but never so low that more elements pass than
+  can be sent. Where that floor decides, because a burst filled some buffers,
+  the threshold rises until the first full one comes down to its size
+  (`relieve_full_buffers`). The largest magnitude is one more known point
+  of the curve (one element passes it), so a jump of the gradient scale by
+  any factor is found again in a few steps, and with nothing to select
+  (``largest == 0``) the threshold keeps its value instead of collapsing.
 
-The adaptive rule costs one extra collective per step (26 int32 per worker)
+The adaptive rule costs one extra collective per step (28 int32 per worker)
 and one read of the worker's partition, in place and chunk by chunk
-(`_selection.count_in_range`), with all 25 counts packed into one reduction.
+(`_selection.count_in_range`), with all 27 counts packed into one reduction.
 The probes are dense next to ``c`` because error feedback piles magnitudes
 up just below a slowly moving threshold: late in training the count curve
 can halve within 1 % of ``c`` (log-log slopes of -50 were measured).
@@ -72,13 +75,18 @@ REFERENCE_FACTORS = (1.005, 1.00125, 0.995)
 # midpoints halve the segments a threshold moving 2-10 % in a step lands in:
 # on the 1.1M MLP at d = 0.001 on 4 workers, the 90th / 99th percentile of
 # selected / aimed fell from 1.19 / 1.46 to 1.09 / 1.17 and its overflow from
-# 2.8 % of k to 0.1 %. 25 probes fill five count words.
+# 2.8 % of k to 0.1 %. The +-1/2 pair splits the widest segments, where a
+# threshold lands when it falls 20-35 % in a step: there the count passing it
+# ran 1.3-1.6x above the interpolated one, past the value slots (digits MLP on
+# 4 workers, 4 seeds: overflow 0.61 % -> 0.31 % of k). 27 probes use six count
+# words of five fields.
 _NEAR = (1 / 512, 1 / 256, 1 / 128, 1 / 64, 1 / 32, 3 / 64, 1 / 16, 3 / 32, 1 / 8, 3 / 16,
-         1 / 4, 1)
+         1 / 4, 1 / 2, 1)
 ADAPTIVE_PROBE_OCTAVES = tuple(sorted((0.0, *_NEAR, *(-x for x in _NEAR))))
 ADAPTIVE_PROBE_RATIOS = tuple(2.0**x for x in ADAPTIVE_PROBE_OCTAVES)
 ADAPTIVE_MAX_EXTRAPOLATION = 4.0  # at most two octaves beyond the probes
 ADAPTIVE_SLOPE_RANGE = (-20.0, -0.1)  # d log K / d log threshold, clamped
+ADAPTIVE_RELIEF_LOSS = 0.1  # of k: what relieving full buffers may cost (`relieve_full_buffers`)
 CORRECTION_RATE = 0.3  # integral feedback on the target (`correct`)
 CORRECTION_STEP = 0.1  # at most this far in log space per step
 CORRECTION_RANGE = (0.5, 2.0)
@@ -265,6 +273,69 @@ def solve_count_curve(
   return (threshold, inside) if return_inside else threshold
 
 
+def count_at(thresholds: jax.Array, counts: jax.Array, threshold: jax.Array) -> jax.Array:
+  """A measured count curve at ``threshold``, log-log linear between its probes.
+
+  Args:
+    thresholds: float32 ``[P]`` ascending probe thresholds.
+    counts: int32 ``[P]`` elements passing each (non-increasing).
+    threshold: float32 where to read the curve; outside the probes the
+      nearest end segment is extended.
+
+  Returns:
+    float32 the interpolated count.
+  """
+  log_thresholds = jnp.log(thresholds)
+  log_counts = jnp.log(jnp.maximum(counts.astype(jnp.float32), 0.5))
+  log_threshold = jnp.log(threshold)
+  segment = jnp.clip(
+      jnp.searchsorted(log_thresholds, log_threshold, side="right") - 1, 0, thresholds.shape[0] - 2
+  )
+  run = log_thresholds[segment + 1] - log_thresholds[segment]
+  fraction = (log_threshold - log_thresholds[segment]) / jnp.where(run > 0, run, 1.0)
+  rise = log_counts[segment + 1] - log_counts[segment]
+  return jnp.exp(log_counts[segment] + fraction * rise)
+
+
+def relieve_full_buffers(
+    thresholds: jax.Array, counts: jax.Array, threshold: jax.Array, budget: Budget
+) -> jax.Array:
+  """Raises a threshold at which some buffers are full, while that sends almost as much.
+
+  A worker that passes more than its ``C`` buffer slots sends its lowest
+  ``C`` indices and keeps the rest, which would pass, in its residual
+  (overflow). Raising the threshold keeps the ``C`` it sends until the first
+  full worker comes down to ``C``, which then sends its ``C`` largest, and
+  costs only what the other workers lose. The result is that point, but no
+  higher than where the others would lose ``ADAPTIVE_RELIEF_LOSS k``
+  indices, and never below ``threshold``.
+
+  Args:
+    thresholds: float32 ``[P]`` ascending probe thresholds.
+    counts: int32 ``[n, P]`` each worker's count at each probe.
+    threshold: float32 the threshold chosen, inside the probes.
+    budget: the step's `Budget`.
+
+  Returns:
+    float32 the raised threshold (``threshold`` when no buffer is full).
+  """
+  capacity = budget.capacity
+  at_threshold = jax.vmap(count_at, in_axes=(None, 0, None))(thresholds, counts, threshold)
+  full = at_threshold > capacity
+  down_to_capacity = jax.vmap(solve_count_curve, in_axes=(None, 0, None))(
+      thresholds, counts, capacity
+  )
+  first_down = jnp.min(jnp.where(full, down_to_capacity, jnp.inf))
+  # The workers with room may lose ADAPTIVE_RELIEF_LOSS k of what they send.
+  room_counts = jnp.sum(jnp.where(full[:, None], 0, counts), axis=0)
+  keep = jnp.sum(jnp.where(full, 0.0, at_threshold)) - ADAPTIVE_RELIEF_LOSS * budget.target
+  affordable = jnp.where(
+      keep > 0.5, solve_count_curve(thresholds, room_counts, jnp.maximum(keep, 0.5)), jnp.inf
+  )
+  raised = jnp.maximum(threshold, jnp.minimum(first_down, affordable))
+  return jnp.where(jnp.any(full), raised, threshold)
+
+
 def _adaptive_choose(previous, selected, budget, correction, step, measure):
   """Steers the indices *transmitted* to ``k``, never selecting more than can be sent.
 
@@ -275,7 +346,10 @@ def _adaptive_choose(previous, selected, budget, correction, step, measure):
   interpolation would land too low. Instead the threshold is never so low
   that more than ``min(n C, M)`` elements pass in all (a capacity below
   ``k`` then caps the density, instead of the threshold falling without
-  end). With nothing to select
+  end). Where that floor binds because full buffers hold the curve short of
+  ``k``, the threshold rises until the first full buffer comes down to ``C``
+  while the other workers lose at most ``0.1 k`` (`relieve_full_buffers`):
+  lower, it would mostly pass what cannot be sent. With nothing to select
   anywhere (``largest == 0``) the threshold stays where it is.
 
   Returns:
@@ -295,6 +369,11 @@ def _adaptive_choose(previous, selected, budget, correction, step, measure):
   )
   capped = solve_count_curve(thresholds, passed, sendable, probe.largest)
   threshold = jnp.maximum(steered, capped)
+  # Where that floor binds, full buffers hold the curve short of k: a lower
+  # threshold would mostly pass what they cannot send.
+  probed = (threshold >= thresholds[0]) & (threshold <= thresholds[-1])
+  relieved = relieve_full_buffers(thresholds, probe.counts, threshold, budget)
+  threshold = jnp.where((steered < capped) & probed, relieved, threshold)
   something = probe.largest > 0
   threshold = jnp.where(something, threshold, previous)
   threshold = jnp.clip(threshold, jnp.finfo(jnp.float32).tiny, jnp.finfo(jnp.float32).max)

@@ -10,6 +10,7 @@ range the end segment's slope, clamped, extrapolates at most a factor 4.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -61,14 +62,16 @@ def solve(thresholds, counts, target):
 
 def test_probes_are_dense_next_to_the_previous_threshold_and_span_two_octaves():
   octaves = np.asarray(_threshold.ADAPTIVE_PROBE_OCTAVES)
-  assert len(octaves) == 25 and np.all(np.diff(octaves) > 0)
+  assert len(octaves) == 27 and np.all(np.diff(octaves) > 0)
   assert octaves[0] == -1 and octaves[-1] == 1 and 0 in octaves
   assert np.min(np.abs(np.diff(octaves))) == pytest.approx(1 / 512)
   # Within a quarter octave no segment is wider than 1/16 octave ...
   near = octaves[np.abs(octaves) <= 1 / 4]
   assert np.max(np.diff(near)) == pytest.approx(1 / 16)
-  # ... and 25 probes fill five count words of five 6-bit fields.
-  assert len(octaves) % _selection.FIELDS_PER_WORD == 0
+  # ... and beyond it no segment is wider than half an octave.
+  assert np.max(np.diff(octaves)) == pytest.approx(1 / 2)
+  # 27 probes take six count words of five 6-bit fields.
+  assert -(-len(octaves) // _selection.FIELDS_PER_WORD) == 6
 
 
 def test_a_power_law_curve_is_inverted_exactly():
@@ -143,6 +146,94 @@ def test_extrapolation_is_bounded_to_two_octaves_beyond_the_probes():
   counts = np.full(17, 10)  # everything far too few: the threshold must fall
   new = solve(thresholds, counts, 10_000)
   assert new == pytest.approx(float(thresholds[0]) / 4, rel=1e-5)
+
+
+# Full buffers: where the floor on what passes binds because some workers pass
+# more than their C buffer slots (the curve of what is transmitted stays short
+# of k), the threshold rises until the first of them comes down to C, while
+# the other workers lose at most ADAPTIVE_RELIEF_LOSS k.
+
+
+def numpy_count_at(thresholds, counts, threshold):
+  """The curve at ``threshold``, log-log linear between probes (end segments extended)."""
+  log_t = np.log(np.asarray(thresholds, np.float64))
+  log_c = np.log(np.maximum(np.asarray(counts, np.float64), 0.5))
+  j = int(np.clip(np.searchsorted(log_t, np.log(threshold), side="right") - 1, 0, len(log_t) - 2))
+  fraction = (np.log(threshold) - log_t[j]) / (log_t[j + 1] - log_t[j])
+  return float(np.exp(log_c[j] + fraction * (log_c[j + 1] - log_c[j])))
+
+
+def numpy_choose(thresholds, counts, largest, *, target, capacity, slots, correction=1.0):
+  """The adaptive controller on measured per-worker counts ``[n, P]``, in float64."""
+  counts = np.asarray(counts, np.int64)
+  sendable = min(len(counts) * capacity, slots)
+  transmitted = np.minimum(counts, capacity).sum(0)
+  steered = numpy_solve(thresholds, transmitted, target * correction, largest)
+  floor = numpy_solve(thresholds, counts.sum(0), sendable, largest)
+  threshold = max(steered, floor)
+  if steered >= floor or not thresholds[0] <= threshold <= thresholds[-1]:
+    return threshold
+  at = np.array([numpy_count_at(thresholds, c, threshold) for c in counts])
+  full = at > capacity
+  if not full.any():
+    return threshold
+  first_down = min(numpy_solve(thresholds, c, capacity) for c in counts[full])
+  keep = at[~full].sum() - _threshold.ADAPTIVE_RELIEF_LOSS * target
+  room = counts[~full].sum(0)
+  affordable = numpy_solve(thresholds, room, keep) if keep > 0.5 else np.inf
+  return max(threshold, min(first_down, affordable))
+
+
+def power_law_counts(thresholds, previous, scales, slopes):
+  ratio = np.asarray(thresholds, np.float64)[None] / previous
+  return np.round(np.asarray(scales)[:, None] * ratio ** -np.asarray(slopes)[:, None])
+
+
+@pytest.mark.parametrize(
+    ("scales", "slopes", "correction", "ratio_range"),
+    [
+        # A burst: worker 0 passes 3000 x^-8 at x times the previous threshold,
+        # the others a few; rising costs nothing until worker 0 is down to C
+        # at x = 5^(1/8) = 1.223.
+        ([3000, 5, 5, 5], [8, 1, 1, 1], 1.0, (1.21, 1.235)),
+        # The others pass 3 x 400 x^-6: from the floor (x = 1.32) to about
+        # x = 1.45 they lose 0.1 k, short of where worker 0 comes down to C
+        # (x = 1.494).
+        ([2000, 400, 400, 400], [3, 6, 6, 6], 1.0, (1.4, 1.485)),
+        # The floor binds (the target is 2 k) but no buffer is full: unchanged.
+        ([300, 300, 300, 300], [4, 4, 4, 4], 2.0, None),
+    ],
+)
+def test_full_buffers_raise_the_threshold_where_that_sends_almost_as_much(
+    scales, slopes, correction, ratio_range
+):
+  previous, target, capacity, slots = 0.01, 1000, 600, 1100
+  thresholds = previous * np.asarray(_threshold.ADAPTIVE_PROBE_RATIOS, np.float32)
+  counts = power_law_counts(thresholds, previous, scales, slopes)
+  largest = 3 * previous
+
+  def measure(probe_thresholds):
+    np.testing.assert_allclose(np.asarray(probe_thresholds), thresholds)
+    return _threshold.ProbeCounts(jnp.asarray(counts, jnp.int32), jnp.float32(largest))
+
+  choose = _threshold.get_controller("adaptive").choose
+  budget = _threshold.Budget(target, capacity, slots)
+  got, steady = choose(
+      jnp.float32(previous), jnp.int32(0), budget, jnp.float32(correction), jnp.int32(5), measure
+  )
+  expected = numpy_choose(
+      list(thresholds), counts, largest, target=target, capacity=capacity, slots=slots,
+      correction=correction,
+  )
+  assert float(got) == pytest.approx(expected, rel=1e-4)
+  assert not steady  # a step short of k teaches the correction nothing
+  floor = numpy_solve(list(thresholds), counts.sum(0), slots, largest)
+  if ratio_range is None:
+    assert float(got) == pytest.approx(floor, rel=1e-4)
+  else:
+    low, high = ratio_range
+    assert float(got) > floor * 1.05
+    assert low < float(got) / previous < high
 
 
 # What the controller measures: every worker counts the elements of its own
