@@ -21,7 +21,8 @@ the same label in ``--out`` are replaced, the others kept, so the report can
 compare both.
 
 Run: python benchmarks/density_control.py [--steps 600] [--label after]
-     [--workloads digits_mlp,...] [--methods exdyna,micro] [--out FILE]
+     [--workers 8] [--seed 0] [--workloads digits_mlp,...]
+     [--methods exdyna,micro] [--out FILE]
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ def main():
   parser.add_argument("--workloads", default=",".join(WORKLOADS))
   parser.add_argument("--methods", default="exdyna")
   parser.add_argument("--label", default="after", help="names the library version under test")
+  parser.add_argument("--seed", type=int, default=0, help="parameters, batches and streams")
   parser.add_argument("--out", default=None, help="JSON to merge the runs into")
   args = parser.parse_args()
   runs = []
@@ -172,7 +174,7 @@ def main():
         sparsifier = exdyna_jax.get_sparsifier(method, density=density, axis_name=AXIS)
         fn = train if kind == "task" else stream
         records, num_elements, metrics = fn(
-          sparsifier, workload, steps=args.steps, workers=args.workers
+          sparsifier, workload, steps=args.steps, workers=args.workers, seed=args.seed
         )
         target = int(density * num_elements)
         fields = ("selected", "transmitted", "overflow", "imbalance", "threshold", "bytes_sent")
@@ -183,6 +185,7 @@ def main():
           "method": method,
           "density": density,
           "workers": args.workers,
+          "seed": args.seed,
           "elements": int(num_elements),
           "target": target,
           "metrics": metrics,
@@ -199,8 +202,10 @@ def main():
     path = pathlib.Path(args.out)
     kept = []
     if path.exists():
-      kept = [r for r in json.loads(path.read_text()).get("runs", []) if r.get("label")
-              and r["label"] != args.label]
+      previous = json.loads(path.read_text())
+      kept = [r for r in previous.get("runs", []) if r.get("label") and r["label"] != args.label]
+      for run in kept:  # runs from before the script recorded their worker count
+        run.setdefault("workers", previous["workers"])
     _common.write_json(
       args.out,
       {
