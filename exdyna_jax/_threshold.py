@@ -21,10 +21,10 @@ this step. Two are provided:
   ``1.1 k`` value slots, which would flatten it just above ``k`` and pull
   the interpolated threshold too low), and the threshold is where it meets
   ``k``, interpolated linearly in log-log between the two points around
-  ``k`` (`solve_count_curve`), but never so low that more elements pass than
+  ``k`` (`_count_curve.solve_count_curve`), but never so low that more elements pass than
   can be sent. Where that floor decides, because a burst filled some buffers,
   the threshold rises until the first full one comes down to its size
-  (`relieve_full_buffers`). The largest magnitude is one more known point
+  (`_count_curve.relieve_full_buffers`). The largest magnitude is one more known point
   of the curve (one element passes it), so a jump of the gradient scale by
   any factor is found again in a few steps, and with nothing to select
   (``largest == 0``) the threshold keeps its value instead of collapsing.
@@ -36,7 +36,7 @@ The probes are dense next to ``c`` because error feedback piles magnitudes
 up just below a slowly moving threshold: late in training the count curve
 can halve within 1 % of ``c`` (log-log slopes of -50 were measured).
 Probes evenly an eighth of an octave apart, with the segment slope clamped
-to ``ADAPTIVE_SLOPE_RANGE``, gave median errors 4x larger on the digits MLP
+to ``_count_curve.SLOPE_RANGE``, gave median errors 4x larger on the digits MLP
 of ``benchmarks/density_control.py``; a predictive variant that reused the
 previous step's counts (no extra round) held only a 20 % median error,
 because error feedback makes the count at a fixed threshold swing with the
@@ -59,7 +59,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from exdyna_jax import _collectives, _integer, _selection
+from exdyna_jax import _collectives, _count_curve, _integer, _selection
 
 # Published rule: band edges as exact (numerator, denominator), and factors.
 REFERENCE_UPPER = (11, 10)
@@ -84,9 +84,7 @@ _NEAR = (1 / 512, 1 / 256, 1 / 128, 1 / 64, 1 / 32, 3 / 64, 1 / 16, 3 / 32, 1 / 
          1 / 4, 1 / 2, 1)
 ADAPTIVE_PROBE_OCTAVES = tuple(sorted((0.0, *_NEAR, *(-x for x in _NEAR))))
 ADAPTIVE_PROBE_RATIOS = tuple(2.0**x for x in ADAPTIVE_PROBE_OCTAVES)
-ADAPTIVE_MAX_EXTRAPOLATION = 4.0  # at most two octaves beyond the probes
-ADAPTIVE_SLOPE_RANGE = (-20.0, -0.1)  # d log K / d log threshold, clamped
-ADAPTIVE_RELIEF_LOSS = 0.1  # of k: what relieving full buffers may cost (`relieve_full_buffers`)
+ADAPTIVE_RELIEF_LOSS = 0.1  # of k: what relieving full buffers may cost
 CORRECTION_RATE = 0.3  # integral feedback on the target (`correct`)
 CORRECTION_STEP = 0.1  # at most this far in log space per step
 CORRECTION_RANGE = (0.5, 2.0)
@@ -207,135 +205,6 @@ def _reference_choose(previous, selected, budget, correction, step, measure):
   return threshold, jnp.zeros((), bool)
 
 
-def solve_count_curve(
-    thresholds: jax.Array,
-    counts: jax.Array,
-    target: int | jax.Array,
-    largest: jax.Array | None = None,
-    *,
-    return_inside: bool = False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-  """Threshold at which a measured count curve reaches ``target``.
-
-  Args:
-    thresholds: float32 ``[P]`` ascending probe thresholds.
-    counts: int32 ``[P]`` elements passing each (non-increasing).
-    target: the wanted count ``k``.
-    largest: optional float32 largest magnitude, where the curve is known to
-      be 1: it joins the probes as one more point (so a curve whose probes
-      all lie above or all far below ``target`` is bracketed), and the result
-      never exceeds it. When every probe passes the same number of
-      elements, more than ``target`` (they all lie below the distribution),
-      the result is ``largest / ADAPTIVE_MAX_EXTRAPOLATION``.
-    return_inside: also return whether the result was interpolated between
-      two measured points (not extrapolated, not restarted).
-
-  Returns:
-    float32 threshold: log-log linear interpolation between the two points
-    around ``target`` (with that segment's own slope, however steep), or,
-    beyond the measured range, extrapolation with the end segment's slope
-    clamped to ``ADAPTIVE_SLOPE_RANGE``, at most
-    ``ADAPTIVE_MAX_EXTRAPOLATION`` beyond the end point.
-  """
-  probe_counts = counts
-  if largest is not None:
-    thresholds = jnp.concatenate([thresholds, jnp.reshape(largest, (1,)).astype(jnp.float32)])
-    counts = jnp.concatenate([counts, jnp.ones((1,), counts.dtype)])
-    order = jnp.argsort(thresholds)
-    thresholds, counts = thresholds[order], counts[order]
-  log_thresholds = jnp.log(thresholds)
-  log_counts = jnp.log(jnp.maximum(counts.astype(jnp.float32), 0.5))
-  log_target = jnp.log(jnp.float32(target))
-  # Segment j joins points j and j+1; counts fall as thresholds rise.
-  segment = jnp.sum(log_counts[1:-1] > log_target).astype(jnp.int32)
-  rise = log_counts[segment + 1] - log_counts[segment]
-  run = log_thresholds[segment + 1] - log_thresholds[segment]
-  below = log_target - log_counts[segment]  # <= 0 inside the measured range
-  inside = (below <= 0) & (log_target >= log_counts[segment + 1])
-  # Inside a segment its own slope, however steep (the result stays between
-  # its points); beyond the ends the end slope, clamped.
-  slope = jnp.where(run > 0, rise / jnp.where(run > 0, run, 1.0), 0.0)
-  slope = jnp.where(inside, slope, jnp.clip(slope, *ADAPTIVE_SLOPE_RANGE))
-  step = jnp.where(inside & (rise == 0), 0.0, below / jnp.where(slope == 0, -1.0, slope))
-  log_threshold = log_thresholds[segment] + step
-  reach = math.log(ADAPTIVE_MAX_EXTRAPOLATION)
-  log_threshold = jnp.clip(log_threshold, log_thresholds[0] - reach, log_thresholds[-1] + reach)
-  if largest is not None:
-    log_threshold = jnp.minimum(log_threshold, jnp.log(largest))
-    # Every probe passes the same elements, more than wanted: the probes lie
-    # below the whole distribution and say nothing of its shape. Restart a
-    # factor ADAPTIVE_MAX_EXTRAPOLATION below the largest magnitude (as a
-    # curve whose probes all lie above it does) instead of creeping up.
-    saturated = (probe_counts[0] == probe_counts[-1]) & (probe_counts[-1] > target)
-    log_threshold = jnp.where(saturated, jnp.log(largest) - reach, log_threshold)
-    inside = inside & ~saturated
-  threshold = jnp.exp(log_threshold).astype(jnp.float32)
-  return (threshold, inside) if return_inside else threshold
-
-
-def count_at(thresholds: jax.Array, counts: jax.Array, threshold: jax.Array) -> jax.Array:
-  """A measured count curve at ``threshold``, log-log linear between its probes.
-
-  Args:
-    thresholds: float32 ``[P]`` ascending probe thresholds.
-    counts: int32 ``[P]`` elements passing each (non-increasing).
-    threshold: float32 where to read the curve; outside the probes the
-      nearest end segment is extended.
-
-  Returns:
-    float32 the interpolated count.
-  """
-  log_thresholds = jnp.log(thresholds)
-  log_counts = jnp.log(jnp.maximum(counts.astype(jnp.float32), 0.5))
-  log_threshold = jnp.log(threshold)
-  segment = jnp.clip(
-      jnp.searchsorted(log_thresholds, log_threshold, side="right") - 1, 0, thresholds.shape[0] - 2
-  )
-  run = log_thresholds[segment + 1] - log_thresholds[segment]
-  fraction = (log_threshold - log_thresholds[segment]) / jnp.where(run > 0, run, 1.0)
-  rise = log_counts[segment + 1] - log_counts[segment]
-  return jnp.exp(log_counts[segment] + fraction * rise)
-
-
-def relieve_full_buffers(
-    thresholds: jax.Array, counts: jax.Array, threshold: jax.Array, budget: Budget
-) -> jax.Array:
-  """Raises a threshold at which some buffers are full, while that sends almost as much.
-
-  A worker that passes more than its ``C`` buffer slots sends its lowest
-  ``C`` indices and keeps the rest, which would pass, in its residual
-  (overflow). Raising the threshold keeps the ``C`` it sends until the first
-  full worker comes down to ``C``, which then sends its ``C`` largest, and
-  costs only what the other workers lose. The result is that point, but no
-  higher than where the others would lose ``ADAPTIVE_RELIEF_LOSS k``
-  indices, and never below ``threshold``.
-
-  Args:
-    thresholds: float32 ``[P]`` ascending probe thresholds.
-    counts: int32 ``[n, P]`` each worker's count at each probe.
-    threshold: float32 the threshold chosen, inside the probes.
-    budget: the step's `Budget`.
-
-  Returns:
-    float32 the raised threshold (``threshold`` when no buffer is full).
-  """
-  capacity = budget.capacity
-  at_threshold = jax.vmap(count_at, in_axes=(None, 0, None))(thresholds, counts, threshold)
-  full = at_threshold > capacity
-  down_to_capacity = jax.vmap(solve_count_curve, in_axes=(None, 0, None))(
-      thresholds, counts, capacity
-  )
-  first_down = jnp.min(jnp.where(full, down_to_capacity, jnp.inf))
-  # The workers with room may lose ADAPTIVE_RELIEF_LOSS k of what they send.
-  room_counts = jnp.sum(jnp.where(full[:, None], 0, counts), axis=0)
-  keep = jnp.sum(jnp.where(full, 0.0, at_threshold)) - ADAPTIVE_RELIEF_LOSS * budget.target
-  affordable = jnp.where(
-      keep > 0.5, solve_count_curve(thresholds, room_counts, jnp.maximum(keep, 0.5)), jnp.inf
-  )
-  raised = jnp.maximum(threshold, jnp.minimum(first_down, affordable))
-  return jnp.where(jnp.any(full), raised, threshold)
-
-
 def _adaptive_choose(previous, selected, budget, correction, step, measure):
   """Steers the indices *transmitted* to ``k``, never selecting more than can be sent.
 
@@ -348,7 +217,7 @@ def _adaptive_choose(previous, selected, budget, correction, step, measure):
   ``k`` then caps the density, instead of the threshold falling without
   end). Where that floor binds because full buffers hold the curve short of
   ``k``, the threshold rises until the first full buffer comes down to ``C``
-  while the other workers lose at most ``0.1 k`` (`relieve_full_buffers`):
+  while the other workers lose at most ``0.1 k`` (`_count_curve.relieve_full_buffers`):
   lower, it would mostly pass what cannot be sent. With nothing to select
   anywhere (``largest == 0``) the threshold stays where it is.
 
@@ -364,15 +233,18 @@ def _adaptive_choose(previous, selected, budget, correction, step, measure):
   sendable = min(num_workers * budget.capacity, budget.slots)
   transmitted = jnp.sum(jnp.minimum(probe.counts, budget.capacity), axis=0)
   passed = jnp.sum(probe.counts, axis=0)
-  steered, inside = solve_count_curve(
+  steered, inside = _count_curve.solve_count_curve(
       thresholds, transmitted, budget.target * correction, probe.largest, return_inside=True
   )
-  capped = solve_count_curve(thresholds, passed, sendable, probe.largest)
+  capped = _count_curve.solve_count_curve(thresholds, passed, sendable, probe.largest)
   threshold = jnp.maximum(steered, capped)
   # Where that floor binds, full buffers hold the curve short of k: a lower
   # threshold would mostly pass what they cannot send.
   probed = (threshold >= thresholds[0]) & (threshold <= thresholds[-1])
-  relieved = relieve_full_buffers(thresholds, probe.counts, threshold, budget)
+  relieved = _count_curve.relieve_full_buffers(
+      thresholds, probe.counts, threshold, capacity=budget.capacity,
+      allowed_loss=ADAPTIVE_RELIEF_LOSS * budget.target,
+  )
   threshold = jnp.where((steered < capped) & probed, relieved, threshold)
   something = probe.largest > 0
   threshold = jnp.where(something, threshold, previous)

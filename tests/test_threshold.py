@@ -14,14 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from exdyna_jax import _selection, _threshold
+from exdyna_jax import _count_curve, _selection, _threshold
 
 
 def numpy_solve(thresholds, counts, target, largest=None):
   """The rule in float64; ``largest`` adds the point (largest, 1) and caps the result."""
   if largest is not None:
     if counts[0] == counts[-1] > target:  # every probe below the distribution
-      return largest / _threshold.ADAPTIVE_MAX_EXTRAPOLATION
+      return largest / _count_curve.MAX_EXTRAPOLATION
     points = sorted([*zip(thresholds, counts, strict=True), (largest, 1)])
     thresholds, counts = [p[0] for p in points], [p[1] for p in points]
     return min(numpy_solve(thresholds, counts, target), largest)
@@ -34,10 +34,10 @@ def numpy_solve(thresholds, counts, target, largest=None):
         return float(np.exp(log_t[j]))
       fraction = (log_k - log_c[j]) / (log_c[j + 1] - log_c[j])
       return float(np.exp(log_t[j] + fraction * (log_t[j + 1] - log_t[j])))
-  low, high = _threshold.ADAPTIVE_SLOPE_RANGE
+  low, high = _count_curve.SLOPE_RANGE
   end = 0 if log_k > log_c[0] else len(log_t) - 2  # extrapolate from an end
   slope = np.clip((log_c[end + 1] - log_c[end]) / (log_t[end + 1] - log_t[end]), low, high)
-  reach = np.log(_threshold.ADAPTIVE_MAX_EXTRAPOLATION)
+  reach = np.log(_count_curve.MAX_EXTRAPOLATION)
   log_new = np.clip(log_t[end] + (log_k - log_c[end]) / slope, log_t[0] - reach, log_t[-1] + reach)
   return float(np.exp(log_new))
 
@@ -54,7 +54,7 @@ def probes(previous=0.01):
 
 def solve(thresholds, counts, target):
   return float(
-      _threshold.solve_count_curve(
+      _count_curve.solve_count_curve(
           np.asarray(thresholds, np.float32), np.asarray(counts, np.int32), target
       )
   )
@@ -105,7 +105,7 @@ def test_matches_the_numpy_rule_on_a_measured_cliff(target):
 def test_the_largest_magnitude_brackets_a_curve_the_probes_miss(counts, largest):
   thresholds = probes()
   got = float(
-      _threshold.solve_count_curve(
+      _count_curve.solve_count_curve(
           np.asarray(thresholds, np.float32), np.asarray(counts, np.int32), 1000,
           np.float32(largest),
       )
