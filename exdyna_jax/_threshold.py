@@ -21,13 +21,14 @@ this step. Two are provided:
   ``1.1 k`` value slots, which would flatten it just above ``k`` and pull
   the interpolated threshold too low), and the threshold is where it meets
   ``k``, interpolated linearly in log-log between the two points around
-  ``k`` (`_count_curve.solve_count_curve`), but never so low that more elements pass than
-  can be sent. Where that floor decides, because a burst filled some buffers,
-  the threshold rises until the first full one comes down to its size
-  (`_count_curve.relieve_full_buffers`). The largest magnitude is one more known point
-  of the curve (one element passes it), so a jump of the gradient scale by
-  any factor is found again in a few steps, and with nothing to select
-  (``largest == 0``) the threshold keeps its value instead of collapsing.
+  ``k`` (`_count_curve.solve_count_curve`), but never so low that more
+  elements pass than can be sent. Where that floor decides, because a burst
+  filled some buffers, the threshold rises until the first full one comes
+  down to its size (`_count_curve.relieve_full_buffers`). The largest
+  magnitude is one more known point of the curve (one element passes it),
+  so a jump of the gradient scale by any factor is found again in a few
+  steps, and with nothing to select (``largest == 0``) the threshold keeps
+  its value instead of collapsing.
 
 The adaptive rule costs one extra collective per step (28 int32 per worker)
 and one read of the worker's partition, in place and chunk by chunk
@@ -36,8 +37,8 @@ The probes are dense next to ``c`` because error feedback piles magnitudes
 up just below a slowly moving threshold: late in training the count curve
 can halve within 1 % of ``c`` (log-log slopes of -50 were measured).
 Probes evenly an eighth of an octave apart, with the segment slope clamped
-to ``_count_curve.SLOPE_RANGE``, gave median errors 4x larger on the digits MLP
-of ``benchmarks/density_control.py``; a predictive variant that reused the
+to ``_count_curve.SLOPE_RANGE``, gave median errors 4x larger on the digits
+MLP of ``benchmarks/density_control.py``; a predictive variant that reused the
 previous step's counts (no extra round) held only a 20 % median error,
 because error feedback makes the count at a fixed threshold swing with the
 previous step's selection. The released ExDyna code also spends a separate
@@ -217,8 +218,9 @@ def _adaptive_choose(previous, selected, budget, correction, step, measure):
   ``k`` then caps the density, instead of the threshold falling without
   end). Where that floor binds because full buffers hold the curve short of
   ``k``, the threshold rises until the first full buffer comes down to ``C``
-  while the other workers lose at most ``0.1 k`` (`_count_curve.relieve_full_buffers`):
-  lower, it would mostly pass what cannot be sent. With nothing to select
+  while the other workers lose at most ``ADAPTIVE_RELIEF_LOSS k``
+  (`_count_curve.relieve_full_buffers`): lower, it would mostly pass what
+  cannot be sent. With nothing to select
   anywhere (``largest == 0``) the threshold stays where it is.
 
   Returns:
