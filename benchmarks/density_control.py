@@ -10,6 +10,8 @@ partitions' pass counts) and the bytes one worker sent. Workloads:
 digits_mlp          the demo's MLP (64-256-256-10, N = 85k) on sklearn digits
 mlp_1m              the same MLP at hidden 1024 (N = 1.1M)
 char_transformer    ``examples/char_transformer.py``'s model (N = 112k)
+cnn_1d              a 1-D CNN on the digits read as 64-pixel sequences (three
+                    convolutions of width 5, 128-256-256 channels, N = 534k)
 positional          Gaussian gradients under a hot spot and a hot tail along
                     the vector (N = 300k), drawn fresh every step
 heterogeneous       the same, worker w's gradients scaled by 1 + 0.25 w
@@ -40,7 +42,8 @@ import numpy as np
 import optax
 
 import exdyna_jax
-from exdyna_jax.demo import tasks
+from exdyna_jax.demo import data, tasks
+from exdyna_jax.demo.trainer import Task
 
 AXIS = "data"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -50,6 +53,7 @@ WORKLOADS = {
   "digits_mlp": ((0.01,), "task"),
   "mlp_1m": ((0.01, 0.001), "task"),
   "char_transformer": ((0.01, 0.001), "task"),
+  "cnn_1d": ((0.01, 0.001), "task"),
   "positional": ((0.01, 0.001), "stream"),
   "heterogeneous": ((0.01,), "stream"),
 }
@@ -65,6 +69,49 @@ def _char_task():
   return module.char_lm_task()
 
 
+def cnn_task():
+  """A 1-D CNN on the digits, each image read as a sequence of 64 pixels."""
+  split = data.load_digits_split()
+  widths = ((1, 128), (128, 256), (256, 256))
+
+  def init_params(key):
+    keys = jax.random.split(key, len(widths) + 1)
+    params = {
+      f"conv{i}": {
+        "w": jax.random.normal(k, (5, c_in, c_out)) * jnp.sqrt(2.0 / (5 * c_in)),
+        "b": jnp.zeros((c_out,)),
+      }
+      for i, (k, (c_in, c_out)) in enumerate(zip(keys, widths, strict=False))
+    }
+    params["dense"] = {"w": jax.random.normal(keys[-1], (16 * 256, 10)) / 64.0,
+                       "b": jnp.zeros((10,))}
+    return params
+
+  def logits(params, x):
+    h = x.reshape(x.shape[0], 64, 1)
+    for i in range(len(widths)):
+      layer = params[f"conv{i}"]
+      h = jax.lax.conv_general_dilated(
+        h, layer["w"], (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC")
+      )
+      h = jax.nn.relu(h + layer["b"])
+      if i:  # halve the length after the second and third convolutions
+        h = h.reshape(h.shape[0], h.shape[1] // 2, 2, h.shape[2]).max(axis=2)
+    return h.reshape(h.shape[0], -1) @ params["dense"]["w"] + params["dense"]["b"]
+
+  def loss_fn(params, inputs, targets):
+    return optax.softmax_cross_entropy_with_integer_labels(logits(params, inputs), targets).mean()
+
+  def evaluate(params):
+    return {"test_accuracy": jnp.mean(jnp.argmax(logits(params, split.x_test), -1) == split.y_test)}
+
+  def sample_batch(rng, global_batch):
+    idx = rng.integers(0, len(split.x_train), global_batch)
+    return split.x_train[idx], split.y_train[idx]
+
+  return Task("cnn_1d", init_params, loss_fn, evaluate, sample_batch)
+
+
 def task_of(name):
   """``(task, batch per worker, optimizer after the sparsifier)``."""
   if name == "digits_mlp":
@@ -74,6 +121,8 @@ def task_of(name):
   if name == "char_transformer":
     schedule = optax.linear_schedule(0.0, 0.3, 20)
     return _char_task(), 8, optax.sgd(schedule)
+  if name == "cnn_1d":
+    return cnn_task(), 32, optax.sgd(0.02, momentum=0.9)
   raise ValueError(name)
 
 

@@ -495,6 +495,7 @@ WORKLOAD_NAMES = {
   "digits_mlp": "digits MLP (the demo's)",
   "mlp_1m": "MLP, hidden 1024",
   "char_transformer": "char transformer",
+  "cnn_1d": "1-D CNN",
   "positional": "positional profile",
   "heterogeneous": "heterogeneous workers",
 }
