@@ -20,6 +20,11 @@ MAX_EXTRAPOLATION = 4.0  # at most two octaves beyond the probes
 SLOPE_RANGE = (-20.0, -0.1)  # d log K / d log threshold, clamped
 
 
+def _log_points(thresholds: jax.Array, counts: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A curve's points in log-log; a count of 0 reads as 1/2 (log defined, below 1)."""
+  return jnp.log(thresholds), jnp.log(jnp.maximum(counts.astype(jnp.float32), 0.5))
+
+
 def solve_count_curve(
     thresholds: jax.Array,
     counts: jax.Array,
@@ -56,8 +61,7 @@ def solve_count_curve(
     counts = jnp.concatenate([counts, jnp.ones((1,), counts.dtype)])
     order = jnp.argsort(thresholds)
     thresholds, counts = thresholds[order], counts[order]
-  log_thresholds = jnp.log(thresholds)
-  log_counts = jnp.log(jnp.maximum(counts.astype(jnp.float32), 0.5))
+  log_thresholds, log_counts = _log_points(thresholds, counts)
   log_target = jnp.log(jnp.float32(target))
   # Segment j joins points j and j+1; counts fall as thresholds rise.
   segment = jnp.sum(log_counts[1:-1] > log_target).astype(jnp.int32)
@@ -98,8 +102,7 @@ def count_at(thresholds: jax.Array, counts: jax.Array, threshold: jax.Array) -> 
   Returns:
     float32 the interpolated count.
   """
-  log_thresholds = jnp.log(thresholds)
-  log_counts = jnp.log(jnp.maximum(counts.astype(jnp.float32), 0.5))
+  log_thresholds, log_counts = _log_points(thresholds, counts)
   log_threshold = jnp.log(threshold)
   segment = jnp.clip(
       jnp.searchsorted(log_thresholds, log_threshold, side="right") - 1, 0, thresholds.shape[0] - 2
