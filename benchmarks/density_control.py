@@ -43,7 +43,6 @@ import optax
 
 import exdyna_jax
 from exdyna_jax.demo import data, tasks
-from exdyna_jax.demo.trainer import Task
 
 AXIS = "data"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -70,7 +69,11 @@ def _char_task():
 
 
 def cnn_task():
-  """A 1-D CNN on the digits, each image read as a sequence of 64 pixels."""
+  """A 1-D CNN on the digits, each image read as a sequence of 64 pixels.
+
+  The data and batches are the digits MLP's (`tasks.digits_task`); only the
+  model differs.
+  """
   split = data.load_digits_split()
   widths = ((1, 128), (128, 256), (256, 256))
 
@@ -81,7 +84,7 @@ def cnn_task():
         "w": jax.random.normal(k, (5, c_in, c_out)) * jnp.sqrt(2.0 / (5 * c_in)),
         "b": jnp.zeros((c_out,)),
       }
-      for i, (k, (c_in, c_out)) in enumerate(zip(keys, widths, strict=False))
+      for i, (k, (c_in, c_out)) in enumerate(zip(keys[:-1], widths, strict=True))
     }
     params["dense"] = {"w": jax.random.normal(keys[-1], (16 * 256, 10)) / 64.0,
                        "b": jnp.zeros((10,))}
@@ -105,11 +108,9 @@ def cnn_task():
   def evaluate(params):
     return {"test_accuracy": jnp.mean(jnp.argmax(logits(params, split.x_test), -1) == split.y_test)}
 
-  def sample_batch(rng, global_batch):
-    idx = rng.integers(0, len(split.x_train), global_batch)
-    return split.x_train[idx], split.y_train[idx]
-
-  return Task("cnn_1d", init_params, loss_fn, evaluate, sample_batch)
+  return tasks.digits_task()._replace(
+    name="cnn_1d", init_params=init_params, loss_fn=loss_fn, evaluate=evaluate
+  )
 
 
 def task_of(name):
