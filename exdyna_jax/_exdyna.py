@@ -91,7 +91,7 @@ class ExDynaState(NamedTuple):
     those into three partitions:
 
     >>> print(first.partition_sizes[0], second.partition_sizes[0])
-    [16 16 16 16] [51  4  5  4]
+    [16 16 16 16] [50  5  4  5]
     >>> print(round(float(first.block_workloads[0, 48:].sum()), 2))
     0.99
   """

@@ -180,6 +180,26 @@ def test_heterogeneous_workers_send_k_within_five_percent():
   assert error <= 0.05, error
 
 
+def test_a_workers_gradient_spike_overflows_for_two_steps_not_a_sweep():
+  """One worker's batch gives a 10x gradient once; error feedback keeps it.
+
+  That worker then selects about ten times its share in every partition it
+  visits for one sweep (``n`` steps). The partitions were cut before the
+  spike, so its first step overflows; its scale rises fast enough that the
+  partitions from the third step on are cut for it (a scale that rose by 5 %
+  of the surprise per step, as it falls, overflowed about 0.3 k at every
+  step of the sweep).
+  """
+  num_workers, num_elements, density, spike = 8, 70_000, 0.01, 30
+  grads = positional_stream(num_workers, 70, num_elements, seed=5)
+  grads[3, spike] *= 10
+  stats = run_stats(density, grads)
+  overflow = stats.overflow / int(density * num_elements)
+  assert overflow[spike] > 0.2, "the spike overflowed the buffer it was cut for"
+  assert overflow[spike + 1 : spike + num_workers].sum() <= 0.5, overflow[spike:]
+  assert overflow[spike + 3 : spike + num_workers].sum() <= 0.1, overflow[spike:]
+
+
 def test_the_reference_rule_stalls_where_the_balanced_one_does_not():
   """The case the balanced partitioner exists for: the published rule overflows."""
   num_elements, density = 40_000, 0.01

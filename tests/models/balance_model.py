@@ -15,10 +15,11 @@ step by step with `exdyna_jax.exdyna` (``partitioner="balanced"``):
   (not a fallback index); each worker's overflow (passed minus ``C``) spread
   evenly over the blocks from its last transmitted index's block to its
   partition's end; both divided by the scale of the worker that owned the
-  block. The scale of worker ``w`` moves by ``0.05 * (log(passed_w + 1) -
-  log(predicted_w + 1))`` in log space, where ``predicted_w`` is the total
-  passed times worker ``w``'s share of ``sum(estimate * scale)`` over the
-  partitions; then the log scales are centred. The block estimate becomes
+  block. The scale of worker ``w`` moves by ``r * (log(passed_w + 1) -
+  log(predicted_w + 1))`` in log space, with ``r = 0.3`` where that
+  difference is positive and ``0.05`` otherwise, where ``predicted_w`` is
+  the total passed times worker ``w``'s share of ``sum(estimate * scale)``
+  over the partitions; then the log scales are centred. The block estimate becomes
   ``(1 - a) estimate + a (0.99 observed / sum(observed) + 0.01 length / N)``
   with ``a = max(1 / (t + 1), 0.1)`` (and stays when nothing was observed),
   renormalised to sum 1.
@@ -31,7 +32,8 @@ import math
 import numpy as np
 
 SMOOTHING = 0.1
-SCALE_RATE = 0.05
+SCALE_RISE = 0.3
+SCALE_FALL = 0.05
 UNIFORM_PRIOR = 0.01
 
 
@@ -122,9 +124,8 @@ def observe(
     expected[w] += estimate[block] * scales[w]
   total = float(sum(passed))
   predicted = total * expected / sum(expected)
-  log_scales = np.log(scales) + SCALE_RATE * (
-      np.log(np.asarray(passed, float) + 1) - np.log(predicted + 1)
-  )
+  surprise = np.log(np.asarray(passed, float) + 1) - np.log(predicted + 1)
+  log_scales = np.log(scales) + np.where(surprise > 0, SCALE_RISE, SCALE_FALL) * surprise
   log_scales -= log_scales.mean()
   new_scales = np.exp(log_scales) if total > 0 else scales
 
