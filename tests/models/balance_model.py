@@ -16,10 +16,10 @@ step by step with `exdyna_jax.exdyna` (``partitioner="balanced"``):
   evenly over the blocks from its last transmitted index's block to its
   partition's end; both divided by the scale of the worker that owned the
   block. The scale of worker ``w`` moves by ``r * (log(passed_w + 1) -
-  log(predicted_w + 1))`` in log space, with ``r = 0.3`` where that
-  difference is positive and ``0.05`` otherwise, where ``predicted_w`` is
-  the total passed times worker ``w``'s share of ``sum(estimate * scale)``
-  over the partitions; then the log scales are centred. The block estimate becomes
+  log(predicted_w + 1))`` in log space (``r = 0.3`` where that difference
+  is positive, ``0.05`` otherwise); ``predicted_w`` is the total passed
+  times worker ``w``'s share of ``sum(estimate * scale)`` over the
+  partitions; then the log scales are centred. The block estimate becomes
   ``(1 - a) estimate + a (0.99 observed / sum(observed) + 0.01 length / N)``
   with ``a = max(1 / (t + 1), 0.1)`` (and stays when nothing was observed),
   renormalised to sum 1.
