@@ -42,7 +42,7 @@ import numpy as np
 import optax
 
 import exdyna_jax
-from exdyna_jax.demo import data, tasks
+from exdyna_jax.demo import tasks
 
 AXIS = "data"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -71,10 +71,9 @@ def _char_task():
 def cnn_task():
   """A 1-D CNN on the digits, each image read as a sequence of 64 pixels.
 
-  The data and batches are the digits MLP's (`tasks.digits_task`); only the
-  model differs.
+  The data, batches, loss and score are the digits MLP's
+  (`tasks.digits_classifier_task`); only the model differs.
   """
-  split = data.load_digits_split()
   widths = ((1, 128), (128, 256), (256, 256))
 
   def init_params(key):
@@ -102,15 +101,7 @@ def cnn_task():
         h = h.reshape(h.shape[0], h.shape[1] // 2, 2, h.shape[2]).max(axis=2)
     return h.reshape(h.shape[0], -1) @ params["dense"]["w"] + params["dense"]["b"]
 
-  def loss_fn(params, inputs, targets):
-    return optax.softmax_cross_entropy_with_integer_labels(logits(params, inputs), targets).mean()
-
-  def evaluate(params):
-    return {"test_accuracy": jnp.mean(jnp.argmax(logits(params, split.x_test), -1) == split.y_test)}
-
-  return tasks.digits_task()._replace(
-    name="cnn_1d", init_params=init_params, loss_fn=loss_fn, evaluate=evaluate
-  )
+  return tasks.digits_classifier_task("cnn_1d", init_params, logits)
 
 
 def task_of(name):

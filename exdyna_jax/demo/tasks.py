@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,24 +36,30 @@ def mlp_logits(layers: list[dict[str, jax.Array]], x: jax.Array) -> jax.Array:
   return x @ layers[-1]["w"] + layers[-1]["b"]
 
 
-def digits_task(layer_sizes: tuple[int, ...] = DIGITS_LAYER_SIZES) -> Task:
-  """An MLP on scikit-learn's bundled digits, scored by test accuracy.
+def digits_classifier_task(
+    name: str,
+    init_params: Callable[[jax.Array], Any],
+    logits_fn: Callable[[Any, jax.Array], jax.Array],
+) -> Task:
+  """A classifier of scikit-learn's bundled digits, scored by test accuracy and loss.
 
   Args:
-    layer_sizes: input, hidden and output widths (85,002 parameters by
-      default).
+    name: the task's name.
+    init_params: ``key -> params``.
+    logits_fn: ``(params, images [batch, 64]) -> logits [batch, 10]``.
 
   Returns:
-    The `Task`.
+    The `Task`: softmax cross-entropy, batches drawn with replacement from
+    the training split.
   """
   split = data.load_digits_split()
 
   def loss_fn(params, inputs, targets):
-    logits = mlp_logits(params, inputs)
+    logits = logits_fn(params, inputs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
   def evaluate(params):
-    logits = mlp_logits(params, split.x_test)
+    logits = logits_fn(params, split.x_test)
     return {
         "test_accuracy": jnp.mean(jnp.argmax(logits, -1) == split.y_test),
         "test_loss": optax.softmax_cross_entropy_with_integer_labels(
@@ -63,11 +71,26 @@ def digits_task(layer_sizes: tuple[int, ...] = DIGITS_LAYER_SIZES) -> Task:
     return split.x_train[idx], split.y_train[idx]
 
   return Task(
-      name="digits",
-      init_params=lambda key: init_mlp(key, layer_sizes),
+      name=name,
+      init_params=init_params,
       loss_fn=loss_fn,
       evaluate=evaluate,
       sample_batch=sample_batch,
+  )
+
+
+def digits_task(layer_sizes: tuple[int, ...] = DIGITS_LAYER_SIZES) -> Task:
+  """An MLP on scikit-learn's bundled digits, scored by test accuracy.
+
+  Args:
+    layer_sizes: input, hidden and output widths (85,002 parameters by
+      default).
+
+  Returns:
+    The `Task`.
+  """
+  return digits_classifier_task(
+      "digits", lambda key: init_mlp(key, layer_sizes), mlp_logits
   )
 
 
