@@ -39,7 +39,7 @@ on a ``("node", "local")`` mesh. Per step:
   vector's payload; in ``scatter`` mode a slice of ``N / L`` elements, so
   the payload ops' bytes are divided by ``L`` (the index buffers and value
   vectors are proportional to ``k``, hence to the slice's size; HLO of the
-  real programs, ``tests/test_hierarchical.py``: 3.90x to 4.00x less at
+  real programs, ``docs/multihost.md``: 3.72x to 4.00x less at
   ``L = 4``). Control ops (results of at most 64 bytes: the step's count
   ``psum``, ExDyna's ``s32[9]`` workload counts) keep their size; the
   smallest payload op in the compiled programs is 80 bytes.

@@ -12,9 +12,9 @@ no extra traffic:
 - ``block_workloads``: the share of the selections that falls in each block,
   smoothed over steps. Each step's observation is the per-block histogram of
   the transmitted indices, plus each worker's overflow (elements that passed
-  but did not fit its buffer) spread over the blocks past its last
-  transmitted index (the buffer keeps the lowest indices, so the overflow
-  lies there), divided by the scale of the worker that selected there.
+  but were not sent) spread over the blocks past its last transmitted index
+  (a worker sends its lowest indices, so the overflow lies there), divided
+  by the scale of the worker that selected there.
 - ``worker_scales``: how much more each worker selects than the estimate
   predicts for its partition (geometric mean 1). Workers whose gradients are
   larger select more wherever they are; since partition ``p`` goes to worker
@@ -227,8 +227,8 @@ def observe(
     geometry: the block layout.
     sizes: int32 ``[n]`` blocks per partition at the step.
     step: int32 ``t``.
-    gathered_indices: int32 ``[n, C]`` every worker's index buffer (sentinel
-      ``N``), row ``w`` from worker ``w``.
+    gathered_indices: int32 ``[n, C]`` the indices every worker sent
+      (sentinel ``N``), row ``w`` from worker ``w``.
     passed: int32 ``[n]`` elements that passed the threshold on each worker,
       before the capacity limit (0 when only the fallback index was sent).
 
@@ -236,7 +236,7 @@ def observe(
     The new `BalanceEstimate`.
   """
   num_workers, num_blocks = geometry.num_workers, geometry.num_blocks
-  num_elements, capacity = geometry.num_elements, gathered_indices.shape[1]
+  num_elements = geometry.num_elements
   boundaries = _boundaries(sizes)
   partition_of_worker = (step + jnp.arange(num_workers)) % num_workers
   worker_of_partition = (jnp.arange(num_workers) - step) % num_workers
@@ -247,7 +247,7 @@ def observe(
   histogram = jnp.zeros((num_blocks,), jnp.float32).at[blocks.reshape(-1)].add(1.0, mode="drop")
 
   # Overflow lies past each worker's last transmitted index: spread it there.
-  overflow = (passed - jnp.minimum(passed, capacity)).astype(jnp.float32)
+  overflow = (passed - jnp.sum(real, axis=1)).astype(jnp.float32)
   last = jnp.max(jnp.where(real, gathered_indices, -1), axis=1)
   first_block = jnp.maximum(last, 0) // geometry.block_size
   end_block = boundaries[partition_of_worker + 1]

@@ -140,6 +140,38 @@ def broadcast_from(x: jax.Array, source: jax.Array, axis_name: str) -> jax.Array
   return jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis_name)
 
 
+def concatenate_ragged(
+    x: jax.Array, counts: jax.Array, slots: int, axis_name: str
+) -> tuple[jax.Array, jax.Array]:
+  """Every worker's first ``counts[w]`` elements of ``x``, end to end, as one integer ``psum``.
+
+  Worker ``w`` writes its elements at ``offsets[w] = counts[0] + ... +
+  counts[w - 1]`` of a buffer of ``slots`` and every other slot is zero, so
+  the sum of the buffers holds each element once: a variable-size
+  all-gather whose ring all-reduce sends ``2 (n-1) / n slots`` values per
+  worker, whatever the workers' counts. Elements past ``slots`` are dropped.
+
+  Args:
+    x: int32 ``[m]`` this worker's elements, each in ``[0, 2^31 - 1)``.
+    counts: int32 ``[n]`` how many leading elements of ``x`` each worker
+      contributes (at most ``m``), the same on every worker.
+    slots: static size of the shared buffer.
+    axis_name: the data-parallel axis.
+
+  Returns:
+    ``(buffer, offsets)``: int32 ``[slots]``, identical on every worker,
+    with ``-1`` in the slots nobody wrote; and int32 ``[n]`` where each
+    worker's elements start (they end ``counts[w]`` later, or at ``slots``).
+  """
+  offsets = jnp.cumsum(counts) - counts
+  rank = jnp.arange(x.shape[0], dtype=jnp.int32)
+  me = jax.lax.axis_index(axis_name)
+  at = jnp.where(rank < counts[me], offsets[me] + rank, slots)
+  # Written as x + 1 so that the zeros of the other workers mean "empty".
+  mine = jnp.zeros((slots,), jnp.int32).at[at].set(x + 1, mode="drop")
+  return jax.lax.psum(mine, axis_name) - 1, offsets
+
+
 def ring_all_gather_bytes(num_workers: int, message_bytes: int) -> int:
   """Bytes one worker sends in a ring all-gather of ``M`` bytes per worker: ``(n-1) M``."""
   return (num_workers - 1) * message_bytes

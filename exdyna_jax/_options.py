@@ -57,6 +57,13 @@ def check_capacity_factor(capacity_factor: float) -> float:
   )
 
 
+def check_flag(value, name: str, meaning: str) -> bool:
+  """Returns ``value`` if it is a bool, or raises a TypeError that says what it switches."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be True or False ({meaning}), got {value!r}.")
+  return bool(value)
+
+
 def check_num_blocks(num_blocks: int | None) -> int | None:
   """Returns ``num_blocks`` as an int (or None), or raises if it is not a positive int."""
   if num_blocks is None:

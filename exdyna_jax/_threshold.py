@@ -210,7 +210,8 @@ def _adaptive_choose(previous, selected, budget, correction, step, measure):
   """Steers the indices *transmitted* to ``k``, never selecting more than can be sent.
 
   Each worker's buffer takes ``min(count, C)`` of what passes in its
-  partition; the threshold is where the sum of those meets ``k`` times
+  partition (where a spill's shared slots fill up, fewer are sent: the rest
+  is overflow); the threshold is where the sum of those meets ``k`` times
   ``correction`` (see `correct`). The ``M`` value slots are not a cap on
   that curve: capped at ``M`` it would flatten just above ``k`` and the
   interpolation would land too low. Instead the threshold is never so low

@@ -53,6 +53,12 @@ def test_capacity_factor_must_be_positive_and_finite(name, factor):
     exdyna_jax.get_sparsifier(name, density=0.01, capacity_factor=factor)
 
 
+@pytest.mark.parametrize("value", ["no", 0, None, np.zeros(1)])
+def test_spill_must_be_a_bool(value):
+  with pytest.raises(TypeError, match="spill must be True or False"):
+    exdyna_jax.exdyna(0.01, spill=value)
+
+
 @pytest.mark.parametrize("value", [True, "0.01", None, [0.01], np.zeros(2)])
 def test_non_numbers_are_refused_as_such(value):
   with pytest.raises(TypeError, match="density must be a number"):

@@ -12,7 +12,7 @@ step by step with `exdyna_jax.exdyna` (``partitioner="balanced"``):
   are pushed right, left to right, until each partition has at least one
   block, and capped so the later partitions still get one block each.
 * Observe after step ``t``: a histogram of the transmitted indices by block
-  (not a fallback index); each worker's overflow (passed minus ``C``) spread
+  (not a fallback index); each worker's overflow (passed minus sent) spread
   evenly over the blocks from its last transmitted index's block to its
   partition's end; both divided by the scale of the worker that owned the
   block. The scale of worker ``w`` moves by ``r * (log(passed_w + 1) -
@@ -80,7 +80,6 @@ def observe(
     step: int,
     transmitted: list[list[int]],
     passed: list[int],
-    capacity: int,
     num_elements: int,
     block_size: int,
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -93,7 +92,6 @@ def observe(
     step: ``t``.
     transmitted: per worker, the indices it transmitted (no fallback index).
     passed: per worker, the elements that passed the threshold.
-    capacity: ``C``.
     num_elements: ``N``.
     block_size: ``s``.
 
@@ -111,7 +109,7 @@ def observe(
   for w in range(num_workers):
     for index in transmitted[w]:
       observed[index // block_size] += 1
-    overflow = passed[w] - min(passed[w], capacity)
+    overflow = passed[w] - len(transmitted[w])
     partition = (step + w) % num_workers
     first = (max(transmitted[w]) if transmitted[w] else 0) // block_size
     last = ends[partition]
