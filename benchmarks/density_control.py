@@ -3,7 +3,7 @@
 Every run trains (or streams gradients) with n workers simulated by
 ``jax.vmap(axis_name=)`` and records, each step, what was *sent*: the indices
 transmitted over ``k = floor(d N)``, the overflow (elements that passed the
-threshold but did not fit a buffer), the imbalance (max / mean of the
+threshold but were not sent), the imbalance (max / mean of the
 partitions' pass counts) and the bytes one worker sent. Workloads:
 
 ==================  =========================================================

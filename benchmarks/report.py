@@ -524,7 +524,7 @@ def density_sections(rep: Report, density: dict | None) -> None:
     f"`benchmarks/density_control.py`: n = {targets_workers} workers simulated with "
     f"`jax.vmap(axis_name=)`, {density['steps']} steps, default `exdyna(d)`. What the user "
     "gets: sent/k = indices transmitted over k = floor(d N) (1 is what was asked for); "
-    "overflow = elements that passed the threshold but did not fit a buffer (they stay in "
+    "overflow = elements that passed the threshold but were not sent (they stay in "
     "the residual); imbalance = max / mean of the partitions' pass counts; bytes = what one "
     "worker sends per step (`stats.bytes_sent`). All over steps 21..end. 'before' is the "
     "library before the balanced partitioner (neighbour rule, `capacity_factor=1.5`, "

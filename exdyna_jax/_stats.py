@@ -31,7 +31,7 @@ class SparsifierStats(NamedTuple):
       is ``transmitted / N``, and ``transmitted / k`` is 1 when a method sends
       what was asked for.
     overflow: int32 elements that passed but were not exchanged (they did not
-      fit the static buffers); they stay in the residual. Equals
+      fit the static buffers or the shared slots); they stay in the residual. Equals
       ``selected - transmitted`` where the workers' selections are disjoint
       (ExDyna, MiCRO).
     workloads: int32 ``[n]`` elements that passed in each partition (or on
@@ -202,7 +202,7 @@ def unpartitioned_stats(
     threshold: float32 threshold used (or the effective one).
     selected: int32 elements selected by all workers together.
     transmitted: int32 distinct indices exchanged.
-    overflow: int32 elements that passed but did not fit the buffers.
+    overflow: int32 elements that passed but were not sent.
     workloads: int32 ``[n]`` elements selected by each worker.
     num_elements: ``N``.
     bytes_sent: static bytes one worker sent (saturates at ``2**31 - 1``).

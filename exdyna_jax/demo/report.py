@@ -125,8 +125,8 @@ def format_table(summaries: Sequence[dict[str, Any]], metric: str) -> str:
   lines.insert(1, "  ".join("-" * width for width in widths))
   lines.append(
       "density = indices transmitted / N; sent/k = indices transmitted / k, the count "
-      "asked for (median after step 20); overflow = passed the threshold but did not fit a "
-      "buffer (kept in the residual); bytes = what one worker sends per step (ring "
+      "asked for (median after step 20); overflow = passed the threshold but was not sent "
+      "(kept in the residual); bytes = what one worker sends per step (ring "
       "collectives), counted from the compiled HLO (stats: the library's own count, mean "
       "over the steps; with a density schedule the HLO holds every level, stats what was "
       "sent)."
