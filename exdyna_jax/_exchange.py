@@ -147,7 +147,7 @@ def default_spill(target: int, capacity: int, num_workers: int) -> Spill | None:
     worker and ``P = max(ceil(SPILL_SHARE k), C - H)`` shared ones; or None
     where that would not send fewer bytes than gathering whole buffers (a
     ring all-reduce of ``P`` slots costs ``2 P / n`` gathered slots per
-    worker, so where ``2 P >= n (C - H)``, as for MiCRO's ``C = 1.5 k / n``).
+    worker, so where ``2 P >= n (C - H)``: on 2 workers, or for ``C = 1.5 k / n``).
   """
   head = math.ceil(SPILL_HEAD * target / num_workers)
   tail = capacity - head
