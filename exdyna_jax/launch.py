@@ -7,7 +7,8 @@ CPU devices it owns (JAX's own ``JAX_NUM_CPU_DEVICES``); the worker calls
 every line the workers print with a ``[rank r]`` prefix, and stops all of them
 (the whole process group of each, with SIGKILL: JAX ignores SIGTERM in some
 states) as soon as one exits with a non-zero code, or when ``--timeout``
-expires. It never waits unboundedly.
+expires. It never waits unboundedly. With ``--link-rate`` each process runs
+in a network namespace of its own behind a shaped link (`_shaped_links`).
 
 Example::
 
@@ -31,13 +32,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Mapping, Sequence
+
+from exdyna_jax import _processes, _shaped_links
 
 COORDINATOR_ENV = "EXDYNA_COORDINATOR"
 NUM_PROCESSES_ENV = "EXDYNA_NUM_PROCESSES"
@@ -49,8 +50,8 @@ HEARTBEAT_TIMEOUT_ENV = "EXDYNA_HEARTBEAT_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0
 DEFAULT_INIT_TIMEOUT = 60
 DEFAULT_HEARTBEAT_TIMEOUT = 20
-# Exit codes of the launcher itself (a failed worker's own code is passed on).
-TIMEOUT_EXIT_CODE = 124
+# Exit code of the launcher on timeout (a failed worker's own code is passed on).
+TIMEOUT_EXIT_CODE = _processes.TIMEOUT_EXIT_CODE
 
 
 def _env_int(environ: Mapping[str, str], name: str) -> int | None:
@@ -157,27 +158,6 @@ def _forward(stream, rank: int, sink, lock: threading.Lock) -> None:
   stream.close()
 
 
-# Runs first in each worker (a fresh, single-threaded interpreter): asks Linux
-# to SIGKILL it when the launcher dies, then becomes the worker's command.
-# Workers lead their own sessions, so killing the launcher's process group (as
-# a test's hard timeout does) would not reach them otherwise. (A preexec_fn
-# would do the same before exec, but is unsafe in a multithreaded parent.)
-_DIE_WITH_PARENT = """
-import ctypes, os, signal, sys
-if sys.platform.startswith("linux"):
-  ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-  if os.getppid() != int(sys.argv[1]):  # the launcher died before prctl
-    sys.exit(137)
-os.execvp(sys.argv[2], sys.argv[2:])
-"""
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-  """SIGKILL to the worker's whole process group (it leads its own session)."""
-  with contextlib.suppress(ProcessLookupError, PermissionError):
-    os.killpg(proc.pid, signal.SIGKILL)
-
-
 def launch(
     command: Sequence[str],
     *,
@@ -189,6 +169,7 @@ def launch(
     env: Mapping[str, str] | None = None,
     stdout=None,
     stderr=None,
+    link_rates: str | Sequence[str | int | None] | None = None,
 ) -> int:
   """Runs ``command`` as ``processes`` cooperating JAX processes on this machine.
 
@@ -218,6 +199,13 @@ def launch(
       ``sys.stdout``).
     stderr: where workers' standard error and the launcher's own messages go,
       prefixed (default ``sys.stderr``).
+    link_rates: None (default): every process on 127.0.0.1. Otherwise each
+      process runs in its own network namespace behind a link shaped to
+      this rate both ways (`_shaped_links.ShapedNetwork`): one rate in
+      tc's notation for every process (``"1gbit"``, ``"100mbit"``,
+      ``"unshaped"``), or one per process (a comma-separated string or a
+      sequence; a slower one is a straggler). Needs root or an unprivileged
+      user namespace.
 
   Returns:
     0 if every process exited with 0; otherwise the exit code of the first
@@ -225,7 +213,10 @@ def launch(
     `TIMEOUT_EXIT_CODE` on timeout.
 
   Raises:
-    ValueError: for fewer than one process or device, or an empty command.
+    ValueError: for fewer than one process or device, an empty command, or
+      bad link rates.
+    PermissionError: for ``link_rates`` without the privileges or the
+      commands a network namespace needs (the message says what to do).
   """
   if processes < 1 or devices_per_process < 1:
     raise ValueError("processes and devices_per_process must be at least 1.")
@@ -240,70 +231,46 @@ def launch(
       stderr.write(f"[launch] {message}\n")
       stderr.flush()
 
+  rates = None if link_rates is None else _shaped_links.link_rates(link_rates, processes)
+  coordinator = (
+      f"127.0.0.1:{free_port()}" if rates is None
+      else f"{_shaped_links.address_of(0)}:{_shaped_links.COORDINATOR_PORT}"
+  )
   base = dict(os.environ if env is None else env)
   base.update(
       {
           "JAX_PLATFORMS": "cpu",
           "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
           "PYTHONUNBUFFERED": "1",
-          COORDINATOR_ENV: f"127.0.0.1:{free_port()}",
+          COORDINATOR_ENV: coordinator,
           NUM_PROCESSES_ENV: str(processes),
           DEVICES_PER_PROCESS_ENV: str(devices_per_process),
           INIT_TIMEOUT_ENV: str(init_timeout),
           HEARTBEAT_TIMEOUT_ENV: str(heartbeat_timeout),
       }
   )
+  env_of = lambda rank: {**base, PROCESS_ID_ENV: str(rank)}  # noqa: E731
+  pipes = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   workers: list[subprocess.Popen] = []
   threads: list[threading.Thread] = []
-  try:
-    for rank in range(processes):
-      proc = subprocess.Popen(
-          [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command],
-          env={**base, PROCESS_ID_ENV: str(rank)},
-          stdin=subprocess.DEVNULL,
-          stdout=subprocess.PIPE,
-          stderr=subprocess.PIPE,
-          start_new_session=True,  # its own process group: killed as a whole
-      )
-      workers.append(proc)
-    for rank, proc in enumerate(workers):
-      for stream, sink in ((proc.stdout, stdout), (proc.stderr, stderr)):
-        thread = threading.Thread(target=_forward, args=(stream, rank, sink, lock), daemon=True)
-        thread.start()
-        threads.append(thread)
-
-    deadline = time.monotonic() + timeout
-    result = 0
-    while True:
-      codes = [proc.poll() for proc in workers]
-      failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-      if failed:
-        rank, code = failed[0]
-        running = [r for r, c in enumerate(codes) if c is None]
-        reason = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        say(
-            f"rank {rank} {reason}; stopping the "
-            f"{len(running)} process(es) still running: ranks {running}."
-        )
-        result = 128 - code if code < 0 else code
-        break
-      if all(code == 0 for code in codes):
-        break
-      if time.monotonic() > deadline:
-        running = [r for r, c in enumerate(codes) if c is None]
-        say(f"timeout after {timeout:g} s; killing ranks {running}.")
-        result = TIMEOUT_EXIT_CODE
-        break
-      time.sleep(0.05)
-  finally:
-    for proc in workers:
-      _kill_group(proc)  # also reaps grandchildren of finished workers
-    for proc in workers:
-      with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-    for thread in threads:
-      thread.join(timeout=5)
-  return result
+  with contextlib.ExitStack() as stack:
+    start = lambda rank: _processes.start(command, env=env_of(rank), **pipes)  # noqa: E731
+    if rates is not None:
+      network = stack.enter_context(_shaped_links.ShapedNetwork())
+      say(f"each process behind its own link: {_shaped_links.describe(rates)}")
+      start = lambda rank: network.spawn(command, rank, rates[rank], env=env_of(rank), **pipes)  # noqa: E731
+    try:
+      for rank in range(processes):
+        workers.append(proc := start(rank))
+        for stream, sink in ((proc.stdout, stdout), (proc.stderr, stderr)):
+          thread = threading.Thread(target=_forward, args=(stream, rank, sink, lock), daemon=True)
+          thread.start()
+          threads.append(thread)
+      return _processes.wait(workers, timeout, say)
+    finally:
+      _processes.stop(workers)
+      for thread in threads:
+        thread.join(timeout=5)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -350,11 +317,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
       default=DEFAULT_HEARTBEAT_TIMEOUT,
       help="seconds after which a silent process is declared dead",
   )
+  parser.add_argument(
+      "--link-rate",
+      default=None,
+      help=(
+          "run each process in its own network namespace behind a link shaped to this rate "
+          "both ways, in tc's notation (1gbit, 100mbit, unshaped), or one rate per process, "
+          "comma-separated (a straggler); needs root or an unprivileged user namespace"
+      ),
+  )
   parser.add_argument("command", nargs=argparse.REMAINDER, help="-- program args...")
   args = parser.parse_args(argv)
   args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
   if not args.command:
     parser.error("no command given (put it after --)")
+  if args.link_rate is not None:
+    try:
+      _shaped_links.link_rates(args.link_rate, args.processes)
+    except ValueError as error:
+      parser.error(str(error))
   return args
 
 
@@ -372,17 +353,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv: the arguments after the program name (default ``sys.argv[1:]``).
 
   Returns:
-    The exit code of `launch`.
+    The exit code of `launch`; 2 where shaped links cannot be made here (the
+    message says why and what to do), 130 on Ctrl-C (every process of the
+    run stopped).
   """
   args = parse_args(argv)
-  return launch(
-      args.command,
-      processes=args.processes,
-      devices_per_process=args.devices_per_process,
-      timeout=args.timeout,
-      init_timeout=args.init_timeout,
-      heartbeat_timeout=args.heartbeat_timeout,
-  )
+  try:
+    return launch(
+        args.command,
+        processes=args.processes,
+        devices_per_process=args.devices_per_process,
+        timeout=args.timeout,
+        init_timeout=args.init_timeout,
+        heartbeat_timeout=args.heartbeat_timeout,
+        link_rates=args.link_rate,
+    )
+  except PermissionError as error:
+    print(f"[launch] {error}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("[launch] interrupted; every process of the run was stopped.", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":

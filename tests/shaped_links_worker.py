@@ -1,0 +1,60 @@
+"""A worker of `tests/test_shaped_links.py`, started by the launcher with shaped links.
+
+Prints one JSON line: its network namespace, the psum of every process's
+``rank + 1``, and the seconds one all-gather of ``--megabytes`` MB per
+process took (the median of three). With ``--then`` it afterwards kills
+itself (``die``) or sleeps (``hang``) so the test can stop the launcher.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+
+from exdyna_jax import launch
+
+launch.initialize_from_env()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--megabytes", type=float, default=0.0)
+parser.add_argument("--then", choices=("exit", "die", "hang"), default="exit")
+args = parser.parse_args()
+
+mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+rank = jax.process_index()
+sharding = jax.sharding.NamedSharding(mesh, jax.P("data"))
+
+
+def distributed(local):
+  return jax.make_array_from_process_local_data(sharding, np.asarray(local)[None])
+
+
+def collective(fn):
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=jax.P("data"), out_specs=jax.P()))
+
+
+total = collective(lambda x: jax.lax.psum(x, "data"))(distributed([rank + 1.0]))
+report = {
+    "rank": rank,
+    "namespace": os.readlink("/proc/self/ns/net"),
+    "psum": float(np.asarray(total.addressable_data(0)).reshape(-1)[0]),
+}
+if args.megabytes:
+  values = distributed(np.random.default_rng(rank).random(int(args.megabytes * 2**18), np.float32))
+  gather = collective(lambda x: jax.lax.all_gather(x, "data", to="invarying").sum(0))
+  jax.block_until_ready(gather(values))
+  seconds = []
+  for _ in range(3):
+    start = time.perf_counter()
+    jax.block_until_ready(gather(values))
+    seconds.append(time.perf_counter() - start)
+  report["gather_seconds"] = float(np.median(seconds))
+print(json.dumps(report), flush=True)
+if args.then == "die":
+  os.kill(os.getpid(), signal.SIGKILL) if rank == 1 else time.sleep(60)
+elif args.then == "hang":
+  time.sleep(60)

@@ -1,0 +1,173 @@
+"""The launcher's emulated cluster: every process behind its own shaped link.
+
+`python -m exdyna_jax.launch --link-rate RATE` runs each process in a network
+namespace of its own, its link shaped both ways. These tests run it the way
+a user does (the command line, 2 processes of one CPU device) and check that
+collectives are right, that a transfer takes at least the time its bytes
+need at the link rate, and that nothing of the network outlives the run on
+any exit path: success, a worker killed, a timeout, Ctrl-C. Without the
+privileges the launcher refuses with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from exdyna_jax import _shaped_links
+
+WORKER = str(Path(__file__).with_name("shaped_links_worker.py"))
+HARD_TIMEOUT = 90.0  # seconds per launcher run; a healthy one takes ~5 s
+
+
+def _can_make_namespaces() -> bool:
+  if any(shutil.which(tool) is None for tool in _shaped_links.TOOLS):
+    return False
+  probe = "import ctypes, sys; sys.exit(ctypes.CDLL(None).unshare(0x40000000) != 0)"
+  return subprocess.run([sys.executable, "-c", probe], check=False).returncode == 0
+
+
+needs_namespaces = pytest.mark.skipif(
+    not _can_make_namespaces(), reason="needs root (or a user namespace) and ip, tc, nsenter"
+)
+
+
+def _start_launcher(*args: str, worker_args=(), prefix=()) -> subprocess.Popen:
+  command = [*prefix, sys.executable, "-m", "exdyna_jax.launch", "--processes=2",
+             "--init-timeout=30", "--heartbeat-timeout=10", *args, "--",
+             sys.executable, WORKER, *worker_args]
+  return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+
+
+def _reports(proc: subprocess.Popen, count: int = 2) -> list[dict]:
+  """Reads the workers' JSON lines as they come (the run goes on)."""
+  reports = []
+  deadline = time.monotonic() + HARD_TIMEOUT
+  while len(reports) < count and time.monotonic() < deadline:
+    line = proc.stdout.readline()
+    if not line:
+      break
+    if "{" in line:
+      reports.append(json.loads(line[line.index("{"):]))
+  return sorted(reports, key=lambda report: report["rank"])
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, str]:
+  try:
+    _, err = proc.communicate(timeout=HARD_TIMEOUT)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    _, err = proc.communicate()
+    pytest.fail(f"the launcher hung (killed)\n{err[-3000:]}")
+  return proc.returncode, err
+
+
+def _leftovers(launcher_pid: int, namespaces: set[str]) -> list[str]:
+  """Processes still in the run's namespaces, and the run's hub if it still runs."""
+  hub = f"{_shaped_links.HUB_NAME}-of-{launcher_pid}"
+  found = []
+  for entry in Path("/proc").iterdir():
+    if not entry.name.isdigit():
+      continue
+    try:
+      namespace = os.readlink(entry / "ns" / "net")
+      cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+      continue  # gone meanwhile
+    if namespace in namespaces or hub in cmdline:
+      found.append(f"{entry.name}: {cmdline} in {namespace}")
+  return found
+
+
+def _assert_nothing_left(proc: subprocess.Popen, reports: list[dict]) -> None:
+  namespaces = {report["namespace"] for report in reports}
+  assert len(namespaces) == 2 and os.readlink("/proc/self/ns/net") not in namespaces
+  assert _leftovers(proc.pid, namespaces) == []
+
+
+def test_rates_are_parsed_in_tcs_notation():
+  assert _shaped_links.parse_rate("1gbit") == 10**9
+  assert _shaped_links.parse_rate(" 2.5Mbit ") == 2_500_000
+  assert _shaped_links.parse_rate("unshaped") is None
+  assert _shaped_links.link_rates("1gbit,100mbit", 2) == [10**9, 10**8]
+  assert _shaped_links.link_rates("100mbit", 3) == [10**8] * 3
+  assert _shaped_links.format_rate(10**8) == "100mbit"
+  for bad in ("1gb", "fast", "-1gbit", "1kbit"):
+    with pytest.raises(ValueError, match="kbit"):
+      _shaped_links.parse_rate(bad)
+  with pytest.raises(ValueError, match="one rate for all, or one each"):
+    _shaped_links.link_rates("1gbit,1gbit", 3)
+
+
+def test_a_bad_rate_is_a_usage_error():
+  proc = _start_launcher("--link-rate=1gigabit")
+  code, err = _finish(proc)
+  assert code == 2 and "is not a number with a unit of tc's" in err, err
+
+
+@needs_namespaces
+def test_collectives_are_right_and_take_their_bandwidth_bound():
+  megabytes, rate = 1.0, 50_000_000
+  proc = _start_launcher(f"--link-rate={_shaped_links.format_rate(rate)}",
+                         worker_args=[f"--megabytes={megabytes}"])
+  reports = _reports(proc)
+  code, err = _finish(proc)
+  assert code == 0, err[-3000:]
+  assert [report["psum"] for report in reports] == [3.0, 3.0]  # 1 + 2 on both
+  # Each process receives the other's megabyte: 168 ms at 50 Mbit/s, less
+  # the token bucket's burst the link may send at once.
+  bound = (megabytes * 2**20 - _shaped_links._burst_bytes(rate)) * 8 / rate
+  for report in reports:
+    assert report["gather_seconds"] >= bound, (report, bound)
+  _assert_nothing_left(proc, reports)
+
+
+@needs_namespaces
+def test_a_killed_worker_stops_the_run_and_leaves_no_namespace():
+  proc = _start_launcher("--link-rate=1gbit,100mbit", worker_args=["--then=die"])
+  reports = _reports(proc)
+  code, err = _finish(proc)
+  assert code == 128 + signal.SIGKILL, err[-3000:]
+  assert "rank 1 killed by signal 9" in err
+  _assert_nothing_left(proc, reports)
+
+
+@needs_namespaces
+def test_a_timeout_stops_the_run_and_leaves_no_namespace():
+  proc = _start_launcher("--link-rate=1gbit", "--timeout=6", worker_args=["--then=hang"])
+  reports = _reports(proc)
+  code, err = _finish(proc)
+  assert code == 124, err[-3000:]
+  _assert_nothing_left(proc, reports)
+
+
+@needs_namespaces
+def test_ctrl_c_stops_the_run_and_leaves_no_namespace():
+  proc = _start_launcher("--link-rate=1gbit", worker_args=["--then=hang"])
+  reports = _reports(proc)
+  os.kill(proc.pid, signal.SIGINT)
+  code, err = _finish(proc)
+  assert code == 130, err[-3000:]
+  assert "interrupted" in err
+  _assert_nothing_left(proc, reports)
+
+
+@needs_namespaces
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_without_the_privileges_the_launcher_says_what_to_do():
+  drop = ("setpriv", "--bounding-set=-net_admin,-sys_admin")  # root without those two
+  proc = _start_launcher("--link-rate=1gbit", prefix=drop)
+  code, err = _finish(proc)
+  assert code == 2, err[-3000:]
+  assert "Operation not permitted" in err and "unshare --user --map-root-user" in err
+  assert "Without --link-rate" in err
+  assert _leftovers(proc.pid, set()) == []
