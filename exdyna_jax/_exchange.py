@@ -83,8 +83,21 @@ class SparseUpdate(NamedTuple):
     return nothing
 
   def dense(self, num_elements: int) -> jax.Array:
-    """float32 ``[N]``: ``values`` at ``indices``, ``base`` (or zero) elsewhere."""
-    start = jnp.zeros((num_elements,), self.values.dtype) if self.base is None else self.base
+    """float32 ``[N]``: ``values`` at ``indices``, ``base`` (or zero) elsewhere.
+
+    The zeros are made from the indices (their minimum with 0, which is 0:
+    indices are never negative), so that they are filled only once the
+    exchange is done. A constant has no inputs, and XLA would fill its ``N``
+    elements at the start of the step, while the gradient is still alive
+    beside it: the step would need memory for both (on a CPU, fresh pages
+    to fault in every step). XLA:CPU drops optimization barriers before it
+    schedules, so a data dependence it cannot fold is what keeps the order.
+    """
+    if self.base is not None:
+      start = self.base
+    else:
+      zero = jnp.min(self.indices, initial=0).astype(self.values.dtype)
+      start = jnp.full((num_elements,), zero)
     return start.at[self.indices].set(self.values, mode="drop")
 
   def clear(self, accumulated: jax.Array) -> jax.Array:

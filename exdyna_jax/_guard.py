@@ -23,6 +23,8 @@ import jax.numpy as jnp
 
 from exdyna_jax import _collectives, _stats
 
+COUNT_CHUNK = 1 << 16  # elements per iteration when non-finite elements are counted
+
 
 def count_nonfinite(values: Any, axis_name: str) -> jax.Array:
   """NaN and infinite elements of every worker's ``values``, summed over the workers.
@@ -39,14 +41,36 @@ def count_nonfinite(values: Any, axis_name: str) -> jax.Array:
     # A NaN or infinity makes the sum non-finite: one read-only pass screens
     # the leaf, and the elements are counted only when the screen trips (or
     # when finite values overflowed the sum: then the count is 0).
+    zero = _collectives.per_worker(jnp.zeros((), jnp.int32), axis_name)
     return jax.lax.cond(
         jnp.isfinite(jnp.sum(leaf, dtype=jnp.float32)),
-        lambda: _collectives.per_worker(jnp.zeros((), jnp.int32), axis_name),
-        lambda: jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32),
+        lambda: zero,
+        lambda: _count_in_chunks(leaf, zero),
     )
 
   local = sum(count(leaf) for leaf in jax.tree.leaves(values))
   return jax.lax.psum(jnp.asarray(local, jnp.int32), axis_name)
+
+
+def _count_in_chunks(leaf: jax.Array, zero: jax.Array) -> jax.Array:
+  """NaN and infinite elements of ``leaf``, read in chunks of `COUNT_CHUNK`.
+
+  XLA:CPU writes the predicate of a whole-leaf count out before it sums it:
+  a leaf-sized int32 buffer that every step would reserve for this rarely
+  taken branch. A loop over chunks needs one chunk's.
+  """
+  flat = leaf.reshape(-1)
+  chunk = min(flat.shape[0], COUNT_CHUNK)
+  if chunk == 0:  # an empty leaf
+    return zero
+
+  def count_chunk(index, total):
+    start = jnp.minimum(index * chunk, flat.shape[0] - chunk)  # the last one shifts left
+    fresh = start + jnp.arange(chunk) >= index * chunk  # and counts only what is new
+    bad = fresh & ~jnp.isfinite(jax.lax.dynamic_slice(flat, (start,), (chunk,)))
+    return total + jnp.sum(bad, dtype=jnp.int32)
+
+  return jax.lax.fori_loop(0, -(-flat.shape[0] // chunk), count_chunk, zero)
 
 
 def skip_if_nonfinite(

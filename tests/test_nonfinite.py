@@ -19,6 +19,7 @@ import optax
 import pytest
 
 import exdyna_jax
+from exdyna_jax import _guard
 from tests import harness
 
 NUM_WORKERS = 4
@@ -201,3 +202,16 @@ def test_apply_if_finite_around_the_sparsifier_is_rejected_under_varying_types()
   grads = clean_gradients(1)
   with pytest.raises(TypeError, match="output types match"):
     harness.run_shard_map(guarded_chain(), params(), grads, check_vma=True)
+
+
+@pytest.mark.parametrize("size", [0, 1, 1000, 65536, 65537, 3 * 65536 + 5])
+def test_nonfinite_elements_are_counted_once_in_leaves_of_any_size(size):
+  """Counted chunk by chunk: the last chunk overlaps the one before it and counts nothing twice."""
+  rng = np.random.default_rng(size)
+  leaf = rng.normal(size=size).astype(np.float32)
+  bad = rng.choice(size, size=min(size, 40), replace=False) if size else []
+  leaf[bad] = rng.choice([np.nan, np.inf, -np.inf], size=len(bad))
+  if size > 65536:  # the elements the shifted last chunk shares with the one before
+    leaf[size - 65536:65536 * (size // 65536)] = np.nan
+  count = jax.vmap(lambda v: _guard.count_nonfinite(v, "data"), axis_name="data")(leaf[None])
+  assert int(count[0]) == int(np.sum(~np.isfinite(leaf)))
