@@ -18,6 +18,7 @@ from typing import Any
 
 import _common
 import matplotlib
+import report_cluster
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -820,7 +821,7 @@ def main():
   results = pathlib.Path(args.results)
   names = (
       "cost", "traffic", "collectives", "scale_model", "density_control", "training_options",
-      "profile",
+      "profile", "cluster",
   )
   sources = {name: _load(results, name) for name in names}
   rep = Report(results)
@@ -832,6 +833,7 @@ def main():
   training_options_section(rep, sources["training_options"])
   memory_section(rep, sources["traffic"])
   profile_section(rep, sources["profile"], sources["cost"])
+  report_cluster.cluster_section(rep, sources["cluster"], _table)
   targets = (
     "## Targets (N = 11.2M, n = 8, d = 0.001 unless stated)\n\n"
     + _table(["target", "goal", "measured", "verdict"], rep.targets)

@@ -14,10 +14,13 @@ training_options    density warm-up and bf16 values: accuracy and bytes
                     (``training_options.py``)
 profile             static pass count and timing variants (``profile_update.py``)
 cost                update time grid, inside a time budget (``cost.py``)
+cluster             the train step and time to accuracy over shaped links
+                    (``cluster.py``; needs root, about 45 minutes: only run
+                    when named, ``--only cluster,report``)
 report              ``REPORT.md`` and plots (``report.py``)
 ==================  ==========================================================
 
-The full suite takes about 25 minutes on 2 cores; ``--quick`` (about 5) runs
+The default suite takes about 25 minutes on 2 cores; ``--quick`` (about 5) runs
 small versions and writes to a scratch directory unless ``--results`` says
 otherwise. Results (JSON, ``REPORT.md``, ``*.png``) go to
 ``benchmarks/results/``.
@@ -40,8 +43,10 @@ PARTS = (
   "training_options",
   "profile",
   "cost",
+  "cluster",
   "report",
 )
+DEFAULT_PARTS = tuple(part for part in PARTS if part != "cluster")  # root and 45 minutes
 
 
 def commands(results: pathlib.Path, quick: bool, cost_budget: float) -> dict[str, list[str]]:
@@ -58,6 +63,7 @@ def commands(results: pathlib.Path, quick: bool, cost_budget: float) -> dict[str
     "training_options": ["training_options.py", *q, *out["training_options"]],
     "profile": ["profile_update.py", *q, *out["profile"]],
     "cost": ["cost.py", *q, "--budget", str(cost_budget), *out["cost"]],
+    "cluster": ["cluster.py", *q, *out["cluster"]],
     "report": ["report.py", "--results", str(results)],
   }
 
@@ -65,7 +71,7 @@ def commands(results: pathlib.Path, quick: bool, cost_budget: float) -> dict[str
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--quick", action="store_true", help="small smoke versions")
-  parser.add_argument("--only", default=",".join(PARTS), help="comma-separated parts")
+  parser.add_argument("--only", default=",".join(DEFAULT_PARTS), help="comma-separated parts")
   parser.add_argument("--results", default=None, help="output directory")
   parser.add_argument("--cost-budget", type=float, default=780.0, help="seconds for the grid")
   args = parser.parse_args()

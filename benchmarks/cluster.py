@@ -1,0 +1,216 @@
+"""The train step on an emulated cluster: worker processes behind shaped links.
+
+Run (as root, or in an unprivileged user namespace; see docs/multihost.md):
+
+  python benchmarks/cluster.py [--quick] [--workers 2,4,8] [--rates 100mbit,1gbit,unshaped]
+
+For each worker count ``n`` and link rate, ``python -m exdyna_jax.launch
+--processes n --link-rate RATE`` runs `cluster_worker.py`, which times the
+donated ``data_parallel(...).step`` a user runs for every method on the
+same MLP (4.7M parameters, 32 examples per worker, d = 0.001), and calibrates
+the link with ``psum`` and ``all_gather`` of 16 B to 4 MB. Once per ``n``
+the same step runs in one process on ``n`` CPU devices, where collectives
+cost next to nothing: it splits each cluster step into
+
+* ``compute``: the gradient and SGD with no exchange (the ``compute`` row),
+* the sparsifier's own work: the local step minus the local compute,
+* the exchange: the cluster step minus the local step.
+
+Every process shares this machine's cores, as the devices of the local run
+do, so the split compares like with like. Also written: each method's
+crossover link rate (above it dense's step, ``a + b / rate`` through the
+two slowest links, is the shorter) and the alpha-beta model of
+its collectives (`exdyna_jax.demo.hlo` ring counts of the compiled step,
+``alpha`` and the bandwidth fitted to the calibration) against the measured
+exchange.
+
+Time to accuracy (``--parts accuracy``): 4 processes at 1 Gb/s and unshaped
+train the digits with `time_to_accuracy_worker.py` (an MLP 64-2048-2048-10,
+4.3M parameters, d = 0.01): dense for ``--accuracy-steps`` steps, then each
+other method for as many seconds; the test accuracy against wall-clock
+seconds, and when each first reaches dense's final score.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import pathlib
+import sys
+import threading
+
+import _common
+import numpy as np
+
+from exdyna_jax import _shaped_links, launch
+
+WORKER = str(pathlib.Path(__file__).with_name("cluster_worker.py"))
+ACCURACY_WORKER = str(pathlib.Path(__file__).with_name("time_to_accuracy_worker.py"))
+ACCURACY_WORKERS, ACCURACY_RATES = 4, ("1gbit", "unshaped")
+RATES = ("100mbit", "1gbit", "unshaped")
+WORKERS = (2, 4, 8)
+STEP_VARIANTS = ("compute", "dense", "exdyna", "exdyna_nospill", "exdyna_reference", "micro",
+                 "spardl", "topk", "cltk", "hard_threshold")
+
+
+class _Lines(io.TextIOBase):
+  """A sink for the launcher: keeps rank 0's JSON lines, echoes the rest to stderr."""
+
+  def __init__(self):
+    self.records: list[dict] = []
+    self.lock = threading.Lock()
+
+  def write(self, text: str) -> int:
+    for line in text.splitlines():
+      if line.startswith("[rank 0] {"):
+        with self.lock:
+          self.records.append(json.loads(line.split(" ", 2)[2]))
+      elif "Gloo" not in line and line.strip():
+        print(line, file=sys.stderr)
+    return len(text)
+
+
+def run_workers(processes: int, devices: int, rate: str | None, worker_args: list[str],
+                timeout: float, worker: str = WORKER) -> list[dict]:
+  """Runs ``worker`` once; rank 0's JSON records."""
+  lines = _Lines()
+  code = launch.launch(
+      [sys.executable, worker, *worker_args], processes=processes,
+      devices_per_process=devices, timeout=timeout, link_rates=rate, stdout=lines,
+      env={**os.environ, "PYTHONPATH": os.pathsep.join(
+          filter(None, [os.environ.get("PYTHONPATH"), str(pathlib.Path(WORKER).parent)]))},
+  )
+  if code:
+    raise RuntimeError(f"the workers failed (exit code {code}): {processes=} {rate=}")
+  return lines.records
+
+
+def fit_link(calibration: list[dict]) -> dict:
+  """``alpha`` (s per message) and bandwidth (bit/s) of ``seconds = alpha m + 8 bytes / B``.
+
+  ``alpha`` from the smallest transfers (at most 4 KB per worker), where bytes
+  take no time; the bandwidth from the largest of each kind, less their alpha.
+  """
+  small = [row["seconds"] / row["messages"] for row in calibration if row["bytes"] <= 4096]
+  alpha = float(np.median(small))
+  rates = []
+  for kind in {row["kind"] for row in calibration}:
+    row = max((r for r in calibration if r["kind"] == kind), key=lambda r: r["bytes"])
+    rates.append(8 * row["bytes"] / max(row["seconds"] - alpha * row["messages"], 1e-9))
+  return {"alpha_s": alpha, "bandwidth_bps": float(np.median(rates))}
+
+
+def predict_exchange(collectives: list[dict], link: dict) -> float:
+  """Alpha-beta seconds of one step's collectives on the fitted link."""
+  per_bit = 0.0 if not link["bandwidth_bps"] else 1 / link["bandwidth_bps"]
+  return sum(op["messages"] * link["alpha_s"] + 8 * op["bytes"] * per_bit for op in collectives)
+
+
+def crossover(dense_slow: tuple[float, float], dense_fast: tuple[float, float],
+              step_ms: float) -> float | None:
+  """The link rate (bit/s) above which dense's step is shorter than ``step_ms``.
+
+  Dense's step is ``a + b / rate`` through its two ``(rate, ms)`` points; a
+  sparse step hardly depends on the rate, so it is one number (its mean over
+  the links). None where dense is slower at any rate (``step_ms <= a``).
+  """
+  (rate_slow, slow), (rate_fast, fast) = dense_slow, dense_fast
+  per_bit = (slow - fast) / (1 / rate_slow - 1 / rate_fast)
+  fixed = slow - per_bit / rate_slow
+  return None if step_ms <= fixed else per_bit / (step_ms - fixed)
+
+
+def summarize(runs: dict) -> dict:
+  """Breakdown, crossovers and the model's error, from the raw runs."""
+  out = {}
+  for workers, by_rate in runs.items():
+    local = {r["variant"]: r for r in by_rate["local"] if "variant" in r}
+    compute_local = local["compute"]["mean_ms"]
+    rows = {}
+    for rate, records in by_rate.items():
+      if rate == "local":
+        continue
+      link = fit_link(next(r["calibration"] for r in records if "calibration" in r))
+      for record in records:
+        if "variant" not in record:
+          continue
+        variant = record["variant"]
+        measured = record["mean_ms"] - local[variant]["mean_ms"]
+        rows.setdefault(variant, {})[rate] = {
+            "step_ms": record["mean_ms"],
+            "median_ms": record["median_ms"],
+            "local_ms": local[variant]["mean_ms"],
+            "sparsifier_ms": local[variant]["mean_ms"] - compute_local,
+            "exchange_ms": measured,
+            "model_exchange_ms": 1e3 * predict_exchange(record["collectives"], link),
+            "rounds": len(record["collectives"]),
+            "bytes_sent": record.get("bytes_sent"),
+            "link": link,
+        }
+    shaped = sorted((r for r in by_rate if r not in ("local", "unshaped")),
+                    key=_shaped_links.parse_rate)
+    if len(shaped) >= 2 and "dense" in rows:
+      dense = [(_shaped_links.parse_rate(rate), rows["dense"][rate]["step_ms"])
+               for rate in shaped[:2]]
+      for variant, by in rows.items():
+        if variant not in ("dense", "compute"):
+          mean = float(np.mean([row["step_ms"] for row in by.values()]))
+          by["crossover_bps"] = crossover(*dense, mean)
+    out[str(workers)] = rows
+  return out
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--workers", default=",".join(map(str, WORKERS)))
+  parser.add_argument("--rates", default=",".join(RATES))
+  parser.add_argument("--variants", default=",".join(STEP_VARIANTS))
+  parser.add_argument("--steps", type=int, default=12)
+  parser.add_argument("--parts", default="steps,accuracy",
+                      help="steps (the step-time grid), accuracy (time to accuracy), "
+                      "summary (recomputed from the runs in --out); a part not run is kept")
+  parser.add_argument("--accuracy-steps", type=int, default=300, help="dense's training steps")
+  parser.add_argument("--quick", action="store_true", help="2 workers, 1gbit, 3 variants, 3 steps")
+  parser.add_argument("--timeout", type=float, default=1500.0)
+  parser.add_argument("--out", default=str(_common.RESULTS / "cluster.json"))
+  args = parser.parse_args()
+  if args.quick:
+    args.workers, args.rates, args.variants, args.steps = "2", "1gbit", "compute,dense,exdyna", 3
+  parts = args.parts.split(",")
+  out = pathlib.Path(args.out)
+  result = {key: value for key, value in json.loads(out.read_text()).items() if key != "machine"
+            } if out.exists() else {}
+  if "steps" in parts:
+    runs = step_grid(args)
+    result.update(runs={str(k): v for k, v in runs.items()}, summary=summarize(runs))
+  if "summary" in parts and "runs" in result:  # again, from the runs kept
+    result["summary"] = summarize({int(k): v for k, v in result["runs"].items()})
+  if "accuracy" in parts:
+    accuracy_args = [f"--steps={args.accuracy_steps}"]
+    if args.quick:
+      accuracy_args = ["--steps=20", "--variants=dense,exdyna"]
+    result["time_to_accuracy"] = {
+        rate: run_workers(ACCURACY_WORKERS, 1, rate, accuracy_args, args.timeout, ACCURACY_WORKER)
+        for rate in (ACCURACY_RATES[:1] if args.quick else ACCURACY_RATES)
+    }
+  _common.write_json(out, result)
+
+
+def step_grid(args) -> dict:
+  """The step-time runs: ``{n: {"local": records, rate: records}}``."""
+  worker_args = [f"--variants={args.variants}", f"--steps={args.steps}"]
+  runs: dict = {}
+  for workers in map(int, args.workers.split(",")):
+    _common.log(f"n = {workers}: one process of {workers} devices")
+    runs[workers] = {"local": run_workers(1, workers, None, worker_args, args.timeout)}
+    for rate in args.rates.split(","):
+      _common.log(f"n = {workers}: {workers} processes at {rate}")
+      runs[workers][rate] = run_workers(workers, 1, rate, [*worker_args, "--calibrate"],
+                                        args.timeout)
+  return runs
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,173 @@
+"""One process of `benchmarks/cluster.py`: times the train step a user runs, per method.
+
+Started by ``exdyna_jax.launch`` (one CPU device per process, or several in
+one process for the local runs). For each method it builds
+``optax.chain(method, optax.sgd(...))`` and the step
+``exdyna_jax.data_parallel(tx, mesh).step`` (jitted, params and state
+donated, the state returned first), trains ``--warmup`` steps, then times
+``--steps`` steps, each blocked on, and process 0 prints one JSON line per
+method. ``compute`` is the same gradient and SGD with no exchange at all
+(each worker applies its own gradient): the step's compute alone.
+
+The model is an MLP ``features-hidden-hidden-10`` on fixed random data,
+``--batch`` examples per worker.
+"""
+
+from __future__ import annotations
+
+from exdyna_jax import launch
+
+launch.initialize_from_env()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from _cluster_common import barrier, mlp_loss, mlp_params  # noqa: E402
+
+import exdyna_jax  # noqa: E402
+from exdyna_jax.demo import hlo  # noqa: E402
+
+AXIS = "data"
+# name -> (registered method, options); "compute" has no sparsifier.
+VARIANTS = {
+    "compute": (None, {}),
+    "dense": ("dense", {}),
+    "exdyna": ("exdyna", {}),
+    "exdyna_nospill": ("exdyna", {"spill": False}),
+    "exdyna_reference": ("exdyna", {"controller": "reference"}),
+    "micro": ("micro", {}),
+    "spardl": ("spardl", {}),
+    "topk": ("topk", {}),
+    "cltk": ("cltk", {}),
+    "hard_threshold": ("hard_threshold", {}),
+}
+
+
+def make_tx(variant: str, density: float, learning_rate: float):
+  method, options = VARIANTS[variant]
+  sgd = optax.sgd(learning_rate)
+  if method is None:
+    return sgd
+  if method != "dense":
+    options = {"density": density, **options}
+  return optax.chain(exdyna_jax.get_sparsifier(method, axis_name=AXIS, **options), sgd)
+
+
+def calibrate(mesh, sizes=(16, 4096, 65536, 1 << 20, 4 << 20), repeats: int = 5) -> list[dict]:
+  """Median seconds of one ``psum`` and one ``all_gather`` of each size (bytes per worker)."""
+  rows = []
+  sharding = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
+  for kind, collective in (("all-reduce", lambda x: jax.lax.psum(x, AXIS)),
+                           ("all-gather", lambda x: jax.lax.all_gather(x, AXIS, tiled=True))):
+    fn = jax.jit(jax.shard_map(collective, mesh=mesh, in_specs=jax.P(AXIS),
+                               out_specs=jax.P(AXIS), check_vma=False))
+    for size in sizes:
+      local = np.ones((jax.local_device_count() * size // 4,), np.float32)
+      values = jax.make_array_from_process_local_data(sharding, local)
+      jax.block_until_ready(fn(values))
+      barrier(mesh, AXIS)
+      seconds = []
+      for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(values))
+        seconds.append(time.perf_counter() - start)
+      op = {"kind": kind, "group": jax.device_count(),
+            "result_bytes": size * (jax.device_count() if kind == "all-gather" else 1)}
+      rows.append({**op, **hlo.ring_cost(op), "seconds": float(np.median(seconds))})
+  return rows
+
+
+def collectives_of(train_step, *args) -> list[dict]:
+  """The compiled step's collectives, each with its ring bytes and messages per worker."""
+  text = train_step.lower(*args).compile().as_text()
+  ops = hlo.collectives(text, jax.device_count())
+  return [{"kind": op["kind"], "result_bytes": op["result_bytes"], **hlo.ring_cost(op)}
+          for op in ops]
+
+
+def time_variant(variant, mesh, params, batch, args) -> dict:
+  tx = make_tx(variant, args.density, args.learning_rate)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # compute: data_parallel warns there is no sparsifier
+    dp = exdyna_jax.data_parallel(tx, mesh, axis_name=AXIS)
+    opt_state = dp.init(params)
+
+  @dp.step
+  def train_step(params, opt_state, batch):
+    grads = jax.grad(mlp_loss)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = jax.tree.map(jnp.copy, params)  # donated below
+  collectives = collectives_of(train_step, params, opt_state, batch)
+  for _ in range(args.warmup):
+    params, opt_state = jax.block_until_ready(train_step(params, opt_state, batch))
+  barrier(mesh, AXIS)  # every process starts the timed steps together
+  seconds = []
+  begin = time.perf_counter()
+  for _ in range(args.steps):
+    start = time.perf_counter()
+    params, opt_state = jax.block_until_ready(train_step(params, opt_state, batch))
+    seconds.append(time.perf_counter() - start)
+  elapsed = time.perf_counter() - begin
+  # Without an exchange the processes drift apart (one may run alone a while):
+  # the mean over steps that all processes run together is what compares.
+  elapsed = max(elapsed, float(barrier(mesh, AXIS, elapsed)))
+  result = {"variant": variant, "step_ms": [round(s * 1e3, 3) for s in seconds],
+            "median_ms": round(float(np.median(seconds)) * 1e3, 3),
+            "mean_ms": round(elapsed / args.steps * 1e3, 3), "collectives": collectives}
+  if variant != "compute":
+    stats = dp.stats(opt_state)
+    first = lambda x: np.asarray(x.addressable_shards[0].data).reshape(-1)[0]  # noqa: E731
+    result.update(transmitted=int(first(stats.transmitted)), target=int(first(stats.target))
+                  if hasattr(stats, "target") else None,
+                  bytes_sent=int(first(stats.bytes_sent)))
+  return result
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--variants", default=",".join(VARIANTS))
+  parser.add_argument("--density", type=float, default=0.001)
+  parser.add_argument("--features", type=int, default=256)
+  parser.add_argument("--hidden", type=int, default=2048)
+  parser.add_argument("--batch", type=int, default=32, help="examples per worker")
+  parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--learning-rate", type=float, default=0.01)
+  parser.add_argument("--calibrate", action="store_true", help="time psum and all_gather first")
+  args = parser.parse_args()
+
+  mesh = jax.make_mesh((jax.device_count(),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+  replicated = jax.sharding.NamedSharding(mesh, jax.P())
+  sharded = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
+
+  def put(value, sharding):
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+  params = jax.tree.map(lambda v: put(v, replicated), mlp_params(args.features, args.hidden))
+  rng = np.random.default_rng(1)
+  examples = args.batch * jax.device_count()
+  batch = (put(rng.normal(size=(examples, args.features)).astype(np.float32), sharded),
+           put(rng.integers(0, 10, size=examples).astype(np.int32), sharded))
+  num_params = sum(v.size for v in jax.tree.leaves(params))
+  if args.calibrate:
+    rows = calibrate(mesh)
+    if jax.process_index() == 0:
+      print(json.dumps({"calibration": rows}), flush=True)
+  for variant in args.variants.split(","):
+    result = time_variant(variant, mesh, params, batch, args)
+    if jax.process_index() == 0:
+      result.update(processes=jax.process_count(), devices=jax.device_count(),
+                    parameters=num_params, density=args.density)
+      print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,203 @@
+"""The REPORT section of the emulated cluster (`cluster.py`): tables, targets, plots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import matplotlib.pyplot as plt
+
+TARGET_WORKERS, TARGET_RATE = "4", "1gbit"
+ORDER = ("compute", "dense", "exdyna", "exdyna_nospill", "exdyna_reference", "micro", "spardl",
+         "topk", "cltk", "hard_threshold")
+LABELS = {"compute": "compute only", "exdyna_nospill": "exdyna spill=False",
+          "exdyna_reference": "exdyna reference"}
+
+
+def _rates(summary: dict) -> list[str]:
+  rates = {rate for rows in summary.values() for by in rows.values() for rate in by
+           if rate != "crossover_bps"}
+  return sorted(rates, key=lambda r: float("inf") if r == "unshaped" else _bits(r))
+
+
+def _bits(rate: str) -> float:
+  from exdyna_jax import _shaped_links
+
+  return float(_shaped_links.parse_rate(rate) or float("inf"))
+
+
+def _step_table(summary: dict, table) -> str:
+  rates = _rates(summary)
+  rows = []
+  for workers, by_variant in summary.items():
+    for variant in (v for v in ORDER if v in by_variant):
+      by = by_variant[variant]
+      cells = [f"{by[r]['step_ms']:.0f}" if r in by else "" for r in rates]
+      cross = by.get("crossover_bps")
+      rows.append([workers, LABELS.get(variant, variant), *cells,
+                   "" if variant in ("compute", "dense") else
+                   ("any rate" if cross is None else f"{cross / 1e9:.2f} Gb/s")])
+  return table(["n", "method", *(f"step ms, {r}" for r in rates), "faster than dense below"],
+               rows)
+
+
+def _breakdown_table(rows_of: dict, rate: str, table) -> str:
+  rows = []
+  for variant in (v for v in ORDER if v in rows_of and rate in rows_of[v]):
+    r = rows_of[variant][rate]
+    measured = r["exchange_ms"] > 5 and variant != "compute"
+    error = r["model_exchange_ms"] / r["exchange_ms"] - 1 if measured else None
+    rows.append([
+        LABELS.get(variant, variant), f"{r['step_ms']:.0f}",
+        f"{r['local_ms'] - r['sparsifier_ms']:.0f}", f"{r['sparsifier_ms']:.0f}",
+        f"{r['exchange_ms']:.0f}", f"{r['model_exchange_ms']:.0f}",
+        "" if error is None else f"{error:+.0%}", r["rounds"],
+        "" if r["bytes_sent"] is None else f"{r['bytes_sent']:,}",
+    ])
+  return table(["method", "step ms", "compute", "sparsifier's work", "exchange (measured)",
+                "exchange (alpha-beta)", "model error", "collectives", "bytes sent / worker"],
+               rows)
+
+
+def _plot_steps(rep, summary: dict) -> str:
+  rows_of = summary.get(TARGET_WORKERS) or next(iter(summary.values()))
+  rates = _rates(summary)
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for variant in (v for v in ORDER if v in rows_of):
+    points = [(i, rows_of[variant][r]["step_ms"]) for i, r in enumerate(rates)
+              if r in rows_of[variant]]
+    ax.plot(*zip(*points, strict=True), marker="o", label=LABELS.get(variant, variant),
+            color="k" if variant == "dense" else None,
+            linestyle="--" if variant == "compute" else "-")
+  ax.set_xticks(range(len(rates)), rates)
+  ax.set_yscale("log")
+  ax.set_xlabel("link rate per worker")
+  ax.set_ylabel("train step, ms (log)")
+  ax.set_title(f"{TARGET_WORKERS} worker processes, 4.7M-parameter MLP, d = 0.001")
+  ax.legend(fontsize=7, ncol=2)
+  return rep.save_plot(fig, "cluster_steps.png")
+
+
+def _plot_accuracy(rep, runs: list[dict], rate: str) -> str:
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for run in runs:
+    seconds, _, accuracy = zip(*run["curve"], strict=True)
+    ax.plot(seconds, accuracy, label=run["variant"], color="k" if run["variant"] == "dense"
+            else None)
+  ax.set_xlabel("wall-clock seconds of training (evaluation excluded)")
+  ax.set_ylabel("test accuracy")
+  ax.set_ylim(0.5, 1.0)
+  ax.set_title(f"digits, MLP 64-2048-2048-10, 4 processes at {rate}")
+  ax.legend(fontsize=8)
+  return rep.save_plot(fig, f"time_to_accuracy_{rate}.png")
+
+
+def time_to_target(run: dict, target: float) -> float | None:
+  """Seconds at the first evaluation that reached ``target``, or None."""
+  return next((seconds for seconds, _, accuracy in run["curve"] if accuracy >= target), None)
+
+
+def dense_target(runs: list[dict]) -> float:
+  """Dense's final score: the mean of its last three evaluations."""
+  dense = next(run for run in runs if run["variant"] == "dense")
+  last = [accuracy for _, _, accuracy in dense["curve"][-3:]]
+  return sum(last) / len(last)
+
+
+def _accuracy_tables(rep, accuracy: dict, table) -> list[str]:
+  parts = []
+  for rate, runs in accuracy.items():
+    target = dense_target(runs)
+    dense_time = time_to_target(next(r for r in runs if r["variant"] == "dense"), target)
+    rows = []
+    for run in runs:
+      reached = time_to_target(run, target)
+      rows.append([run["variant"], run["steps"], f"{run['curve'][-1][2]:.4f}",
+                   "not reached" if reached is None else f"{reached:.1f}",
+                   "" if reached is None or dense_time is None else f"{dense_time / reached:.2f}x",
+                   f"{run['bytes_sent']:,}"])
+    parts += [f"**{rate}**: dense's final score {target:.4f} (mean of its last three "
+              "evaluations).", "",
+              table(["method", "steps in dense's time", "final test accuracy",
+                     "seconds to dense's score", "sooner than dense", "bytes / worker / step"],
+                    rows), "", _plot_accuracy(rep, runs, rate), ""]
+  return parts
+
+
+def cluster_section(rep, cluster: dict[str, Any] | None, table) -> None:
+  """Adds the emulated-cluster section and its targets to ``rep``."""
+  if not cluster:
+    rep.add("## Emulated cluster\n\nNo `cluster.json` (run `python benchmarks/cluster.py`).")
+    return
+  summary = cluster["summary"]
+  rows_of = summary.get(TARGET_WORKERS, {})
+  parts = [
+      "## Emulated cluster: the train step over shaped links",
+      "",
+      "`python benchmarks/cluster.py` (as root): worker processes, each in a network "
+      "namespace of its own behind a link shaped both ways (`python -m exdyna_jax.launch "
+      "--link-rate`), time the donated `data_parallel(...).step` of a 4.7M-parameter MLP "
+      "(256-2048-2048-10, 32 examples per worker, d = 0.001). Step: mean wall-clock ms over "
+      "the timed steps. The same step in one process on n CPU devices (collectives next "
+      "to free) splits it: compute (no exchange at all), the sparsifier's own work, and "
+      "the exchange (cluster minus local; negative where the processes ran the step "
+      "faster than the devices of one process did). All processes share this "
+      "machine's cores. 'Faster than dense below': the link rate above which dense's "
+      "step, `a + b / rate` through the two slowest links, is shorter than the "
+      "method's (its mean over the links).",
+      "",
+      _step_table(summary, table),
+      "",
+      _plot_steps(rep, summary),
+      "",
+  ]
+  for workers, rows in summary.items():
+    for rate in (r for r in _rates({workers: rows}) if r == TARGET_RATE):
+      if any(rate in by for by in rows.values()):
+        parts += [f"**Breakdown, n = {workers}, {rate}** (alpha and bandwidth fitted to "
+                  f"this run's psum and all_gather calibration: "
+                  f"{_link_text(rows, rate)})", "", _breakdown_table(rows, rate, table), ""]
+  accuracy = cluster.get("time_to_accuracy")
+  if accuracy:
+    parts += ["### Time to accuracy", "", *_accuracy_tables(rep, accuracy, table)]
+  rep.add("\n".join(parts))
+  _targets(rep, rows_of, accuracy)
+
+
+def _link_text(rows: dict, rate: str) -> str:
+  link = next(by[rate]["link"] for by in rows.values() if rate in by)
+  bandwidth = link["bandwidth_bps"]
+  return (f"alpha {link['alpha_s'] * 1e3:.2f} ms, "
+          f"{'unbounded' if not bandwidth else f'{bandwidth / 1e9:.2f} Gb/s'}")
+
+
+def _targets(rep, rows_of: dict, accuracy: dict | None) -> None:
+  def step(variant, rate=TARGET_RATE):
+    return rows_of.get(variant, {}).get(rate, {}).get("step_ms")
+
+  exdyna, compute = step("exdyna"), step("compute")
+  if exdyna and compute:
+    rep.target("cluster: exdyna step / compute-only (n = 4, 1 Gb/s)", "<= 1.8",
+               f"{exdyna / compute:.2f}", exdyna / compute <= 1.8)
+  for other, goal in (("dense", 3.0), ("topk", 2.0)):
+    if exdyna and step(other):
+      ratio = step(other) / exdyna
+      rep.target(f"cluster: {other} step / exdyna (n = 4, 1 Gb/s)", f">= {goal:g}",
+                 f"{ratio:.2f}", ratio >= goal)
+  if step("exdyna", "unshaped") and step("dense", "unshaped"):
+    ratio = step("dense", "unshaped") / step("exdyna", "unshaped")
+    rep.target("cluster: dense step / exdyna (n = 4, unshaped)", ">= 2", f"{ratio:.2f}",
+               ratio >= 2)
+  errors = [abs(by[TARGET_RATE]["model_exchange_ms"] / by[TARGET_RATE]["exchange_ms"] - 1)
+            for variant, by in rows_of.items()
+            if TARGET_RATE in by and by[TARGET_RATE]["exchange_ms"] > 5 and variant != "compute"]
+  if errors:
+    rep.target("cluster: alpha-beta model vs measured exchange (n = 4, 1 Gb/s, > 5 ms)",
+               "within 25 %", f"worst {max(errors):.0%}", max(errors) <= 0.25)
+  runs = (accuracy or {}).get(TARGET_RATE)
+  if runs:
+    target = dense_target(runs)
+    times = {run["variant"]: time_to_target(run, target) for run in runs}
+    if times.get("dense") and times.get("exdyna"):
+      ratio = times["dense"] / times["exdyna"]
+      rep.target("cluster: time to dense's accuracy, dense / exdyna (n = 4, 1 Gb/s)", ">= 3",
+                 f"{ratio:.2f}", ratio >= 3)
