@@ -26,34 +26,11 @@ import numpy as np
 import pytest
 
 from exdyna_jax import launch
+from tests.subprocesses import finish as _finish
+from tests.subprocesses import start as _start
 
 WORKER = str(Path(__file__).with_name("multihost_worker.py"))
 CHECKPOINT_WORKER = str(Path(__file__).with_name("multihost_checkpoint_worker.py"))
-HARD_TIMEOUT = 150.0  # seconds, per subprocess; a healthy run takes ~20 s
-
-
-def _start(command, env=None) -> subprocess.Popen:
-  return subprocess.Popen(
-      command,
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      stdin=subprocess.DEVNULL,
-      start_new_session=True,
-      text=True,
-  )
-
-
-def _finish(proc: subprocess.Popen, timeout: float = HARD_TIMEOUT) -> tuple[int, str, str, float]:
-  """Waits at most ``timeout`` s; on expiry SIGKILLs the process group and fails."""
-  start = time.monotonic()
-  try:
-    out, err = proc.communicate(timeout=timeout)
-  except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, signal.SIGKILL)
-    out, err = proc.communicate()
-    pytest.fail(f"timed out after {timeout} s (killed)\nstdout:\n{out}\nstderr:\n{err[-3000:]}")
-  return proc.returncode, out, err, time.monotonic() - start
 
 
 def _launcher(

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from exdyna_jax import _shaped_links
+from tests import subprocesses
 
 WORKER = str(Path(__file__).with_name("shaped_links_worker.py"))
 HARD_TIMEOUT = 90.0  # seconds per launcher run; a healthy one takes ~5 s
@@ -44,8 +45,7 @@ def _start_launcher(*args: str, worker_args=(), prefix=()) -> subprocess.Popen:
   command = [*prefix, sys.executable, "-m", "exdyna_jax.launch", "--processes=2",
              "--init-timeout=30", "--heartbeat-timeout=10", *args, "--",
              sys.executable, WORKER, *worker_args]
-  return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+  return subprocesses.start(command)
 
 
 def _reports(proc: subprocess.Popen, count: int = 2) -> list[dict]:
@@ -62,13 +62,8 @@ def _reports(proc: subprocess.Popen, count: int = 2) -> list[dict]:
 
 
 def _finish(proc: subprocess.Popen) -> tuple[int, str]:
-  try:
-    _, err = proc.communicate(timeout=HARD_TIMEOUT)
-  except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, signal.SIGKILL)
-    _, err = proc.communicate()
-    pytest.fail(f"the launcher hung (killed)\n{err[-3000:]}")
-  return proc.returncode, err
+  code, _, err, _ = subprocesses.finish(proc, HARD_TIMEOUT)
+  return code, err
 
 
 def _leftovers(launcher_pid: int, namespaces: set[str]) -> list[str]:
