@@ -2,7 +2,7 @@
 
 Every process the launcher starts runs a short bootstrap first (a fresh,
 single-threaded interpreter): it asks Linux to SIGKILL it when the launcher
-dies (``PR_SET_PDEATHSIG``; workers lead their own sessions, so killing the
+dies (``PR_SET_PDEATHSIG``, on Linux; workers lead their own sessions, so killing the
 launcher's process group, as a test's hard timeout does, would not reach
 them otherwise), then becomes the worker's command. A process that gets a
 network of its own (`_shaped_links`) first enters new network and UTS
@@ -30,10 +30,11 @@ TIMEOUT_EXIT_CODE = 124
 _BOOTSTRAP = """
 import ctypes, os, signal, sys
 libc = ctypes.CDLL(None, use_errno=True)
-libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-if os.getppid() != int(sys.argv[1]):  # the launcher died before prctl
-  sys.exit(137)
-if sys.argv[4]:
+if sys.platform.startswith("linux"):
+  libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+  if os.getppid() != int(sys.argv[1]):  # the launcher died before prctl
+    sys.exit(137)
+if sys.argv[4]:  # Linux only
   ready, wired, name = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].encode()
   if libc.unshare(0x40000000 | 0x04000000) or libc.sethostname(name, len(name)):  # NET, UTS
     os.write(ready, b"E%d" % ctypes.get_errno())
