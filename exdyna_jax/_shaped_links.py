@@ -26,7 +26,6 @@ Link rates only: latency and loss would need ``netem``.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import math
 import os
@@ -213,14 +212,6 @@ class ShapedNetwork:
 
   def __exit__(self, *exc_info) -> None:
     self.close()
-
-  def namespaces(self) -> set[str]:
-    """The network namespaces of the processes still running (``net:[inode]``)."""
-    found = set()
-    for proc in self.processes:
-      with contextlib.suppress(OSError):
-        found.add(os.readlink(f"/proc/{proc.pid}/ns/net"))
-    return found
 
   def spawn(self, command: Sequence[str], rank: int, rate: int | None, **popen_kwargs):
     """Starts ``command`` as worker ``rank`` behind a link of ``rate`` bits/s (None: unshaped).
