@@ -8,6 +8,8 @@ import jax
 import numpy as np
 import optax
 
+AXIS = "data"
+
 
 def mlp_params(features: int, hidden: int, classes: int = 10) -> dict:
   """He-initialised MLP ``features-hidden-hidden-classes`` (ReLU) parameters.
@@ -39,11 +41,26 @@ def mlp_loss(params: dict, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(mlp_logits(params, inputs), labels).mean()
 
 
-def barrier(mesh, axis: str, value: float = 0.0) -> float:
+def data_mesh() -> jax.sharding.Mesh:
+  """One ``AXIS`` over every device of every process (Auto)."""
+  return jax.make_mesh((jax.device_count(),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def put(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  """A global array of ``value`` (the same on every process) laid out as ``sharding``."""
+  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def local_value(x: jax.Array):
+  """The first element of this process's first shard of ``x`` (a per-worker stat, say)."""
+  return np.asarray(x.addressable_shards[0].data).reshape(-1)[0]
+
+
+def barrier(mesh: jax.sharding.Mesh, value: float = 0.0) -> float:
   """Waits for every process; returns the largest ``value`` of any process."""
   local = np.full((jax.local_device_count(),), value, np.float32)
-  values = jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, jax.P(axis)),
+  values = jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, jax.P(AXIS)),
                                                   local)
-  largest = jax.jit(jax.shard_map(lambda v: jax.lax.pmax(v, axis), mesh=mesh,
-                                  in_specs=jax.P(axis), out_specs=jax.P()))(values)
-  return float(np.asarray(largest.addressable_data(0)).reshape(-1)[0])
+  largest = jax.jit(jax.shard_map(lambda v: jax.lax.pmax(v, AXIS), mesh=mesh,
+                                  in_specs=jax.P(AXIS), out_specs=jax.P()))(values)
+  return float(local_value(largest))

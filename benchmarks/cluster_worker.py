@@ -28,12 +28,19 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _cluster_common import barrier, mlp_loss, mlp_params  # noqa: E402
+from _cluster_common import (  # noqa: E402
+  AXIS,
+  barrier,
+  data_mesh,
+  local_value,
+  mlp_loss,
+  mlp_params,
+  put,
+)
 
 import exdyna_jax  # noqa: E402
 from exdyna_jax.demo import hlo  # noqa: E402
 
-AXIS = "data"
 # name -> (registered method, options); "compute" has no sparsifier.
 VARIANTS = {
     "compute": (None, {}),
@@ -71,7 +78,7 @@ def calibrate(mesh, sizes=(16, 4096, 65536, 1 << 20, 4 << 20), repeats: int = 5)
       local = np.ones((jax.local_device_count() * size // 4,), np.float32)
       values = jax.make_array_from_process_local_data(sharding, local)
       jax.block_until_ready(fn(values))
-      barrier(mesh, AXIS)
+      barrier(mesh)
       seconds = []
       for _ in range(repeats):
         start = time.perf_counter()
@@ -108,7 +115,7 @@ def time_variant(variant, mesh, params, batch, args) -> dict:
   collectives = collectives_of(train_step, params, opt_state, batch)
   for _ in range(args.warmup):
     params, opt_state = jax.block_until_ready(train_step(params, opt_state, batch))
-  barrier(mesh, AXIS)  # every process starts the timed steps together
+  barrier(mesh)  # every process starts the timed steps together
   seconds = []
   begin = time.perf_counter()
   for _ in range(args.steps):
@@ -118,16 +125,14 @@ def time_variant(variant, mesh, params, batch, args) -> dict:
   elapsed = time.perf_counter() - begin
   # Without an exchange the processes drift apart (one may run alone a while):
   # the mean over steps that all processes run together is what compares.
-  elapsed = max(elapsed, float(barrier(mesh, AXIS, elapsed)))
+  elapsed = max(elapsed, float(barrier(mesh, elapsed)))
   result = {"variant": variant, "step_ms": [round(s * 1e3, 3) for s in seconds],
             "median_ms": round(float(np.median(seconds)) * 1e3, 3),
             "mean_ms": round(elapsed / args.steps * 1e3, 3), "collectives": collectives}
   if variant != "compute":
     stats = dp.stats(opt_state)
-    first = lambda x: np.asarray(x.addressable_shards[0].data).reshape(-1)[0]  # noqa: E731
-    result.update(transmitted=int(first(stats.transmitted)), target=int(first(stats.target))
-                  if hasattr(stats, "target") else None,
-                  bytes_sent=int(first(stats.bytes_sent)))
+    result.update(transmitted=int(local_value(stats.transmitted)),
+                  bytes_sent=int(local_value(stats.bytes_sent)))
   return result
 
 
@@ -144,12 +149,9 @@ def main() -> None:
   parser.add_argument("--calibrate", action="store_true", help="time psum and all_gather first")
   args = parser.parse_args()
 
-  mesh = jax.make_mesh((jax.device_count(),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = data_mesh()
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   sharded = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
-
-  def put(value, sharding):
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
   params = jax.tree.map(lambda v: put(v, replicated), mlp_params(args.features, args.hidden))
   rng = np.random.default_rng(1)

@@ -24,12 +24,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _cluster_common import barrier, mlp_logits, mlp_params  # noqa: E402
+from _cluster_common import (  # noqa: E402
+  AXIS,
+  barrier,
+  data_mesh,
+  local_value,
+  mlp_logits,
+  mlp_params,
+  put,
+)
 
 import exdyna_jax  # noqa: E402
 from exdyna_jax.demo import tasks  # noqa: E402
-
-AXIS = "data"
 
 
 def make_tx(variant: str, density: float, learning_rate: float, warmup_steps: int):
@@ -48,8 +54,10 @@ def train(variant, task, mesh, args, *, budget: float | None):
   dp = exdyna_jax.data_parallel(tx, mesh, axis_name=AXIS)
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   sharded = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
-  put = lambda value, sharding: jax.make_array_from_callback(  # noqa: E731
-      value.shape, sharding, lambda index: value[index])
+
+  def batch_of(inputs, targets):
+    return put(inputs, sharded), put(targets.astype(np.int32), sharded)
+
   params = jax.tree.map(lambda v: put(v, replicated), mlp_params(64, args.hidden))
   opt_state = dp.init(params)
 
@@ -65,26 +73,22 @@ def train(variant, task, mesh, args, *, budget: float | None):
   # Compile off the clock: one step on copies (donated), thrown away.
   inputs, targets = task.sample_batch(np.random.default_rng(1), batch_size)
   copies = jax.tree.map(jnp.copy, (params, opt_state))
-  jax.block_until_ready(train_step(*copies, (put(inputs, sharded),
-                                             put(targets.astype(np.int32), sharded))))
+  jax.block_until_ready(train_step(*copies, batch_of(inputs, targets)))
   evaluate(params)
   curve, seconds, step, done = [], 0.0, 0, False
   while not done:
-    inputs, targets = task.sample_batch(rng, batch_size)
-    batch = (put(inputs, sharded), put(targets.astype(np.int32), sharded))
+    batch = batch_of(*task.sample_batch(rng, batch_size))
     start = time.perf_counter()
     params, opt_state = jax.block_until_ready(train_step(params, opt_state, batch))
     seconds += time.perf_counter() - start
     step += 1
     if step % args.eval_every == 0:  # every process decides alike: on the slowest one's clock
-      seconds = barrier(mesh, AXIS, seconds)
+      seconds = barrier(mesh, seconds)
       accuracy = float(evaluate(params)["test_accuracy"])
       curve.append((round(seconds, 4), step, accuracy))
       done = step >= args.steps if budget is None else seconds >= budget
-  stats = dp.stats(opt_state)
-  first = lambda x: np.asarray(x.addressable_shards[0].data).reshape(-1)[0]  # noqa: E731
   return {"variant": variant, "curve": curve, "steps": step, "seconds": seconds,
-          "bytes_sent": int(first(stats.bytes_sent))}
+          "bytes_sent": int(local_value(dp.stats(opt_state).bytes_sent))}
 
 
 def main() -> None:
@@ -99,7 +103,7 @@ def main() -> None:
   parser.add_argument("--eval-every", type=int, default=10)
   args = parser.parse_args()
 
-  mesh = jax.make_mesh((jax.device_count(),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = data_mesh()
   task = tasks.digits_classifier_task("digits", None, mlp_logits)
   variants = args.variants.split(",")
   if variants[0] != "dense":

@@ -58,8 +58,13 @@ def start(command: Sequence[str], **popen_kwargs) -> subprocess.Popen:
   Returns:
     The `subprocess.Popen`.
   """
+  return _bootstrap(command, ("", "", ""), **popen_kwargs)
+
+
+def _bootstrap(command: Sequence[str], setup: Sequence[str], **popen_kwargs) -> subprocess.Popen:
+  """Popen of `_BOOTSTRAP` with its set-up arguments, leading a process group of its own."""
   return subprocess.Popen(
-      [sys.executable, "-c", _BOOTSTRAP, str(os.getpid()), "", "", "", *command],
+      [sys.executable, "-c", _BOOTSTRAP, str(os.getpid()), *setup, *command],
       start_new_session=True,  # its own process group: killed as a whole
       **popen_kwargs,
   )
@@ -97,13 +102,8 @@ def start_isolated(
   wired_read, wired_write = os.pipe()
   proc = None
   try:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _BOOTSTRAP, str(os.getpid()), str(ready_write), str(wired_read),
-         hostname, *command],
-        pass_fds=(ready_write, wired_read),
-        start_new_session=True,
-        **popen_kwargs,
-    )
+    proc = _bootstrap(command, (str(ready_write), str(wired_read), hostname),
+                      pass_fds=(ready_write, wired_read), **popen_kwargs)
     os.close(ready_write)
     ready_write = None
     readable, _, _ = select.select([ready_read], [], [], setup_timeout)
