@@ -25,7 +25,7 @@ its collectives (`exdyna_jax.demo.hlo` ring counts of the compiled step,
 exchange.
 
 Time to accuracy (``--parts accuracy``): 4 processes at 1 Gb/s and unshaped
-train the digits with `time_to_accuracy_worker.py` (an MLP 64-2048-2048-10,
+train the digits with the demo's `exdyna_jax.demo.cluster_worker` (an MLP 64-2048-2048-10,
 4.3M parameters, d = 0.01): dense for ``--accuracy-steps`` steps, then each
 other method for as many seconds; the test accuracy against wall-clock
 seconds, and when each first reaches dense's final score.
@@ -34,20 +34,21 @@ seconds, and when each first reaches dense's final score.
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import os
 import pathlib
 import sys
-import threading
 
 import _common
 import numpy as np
 
-from exdyna_jax import _shaped_links, launch
+from exdyna_jax import _shaped_links
+from exdyna_jax.demo import cluster
 
-WORKER = str(pathlib.Path(__file__).with_name("cluster_worker.py"))
-ACCURACY_WORKER = str(pathlib.Path(__file__).with_name("time_to_accuracy_worker.py"))
+WORKER = [sys.executable, str(pathlib.Path(__file__).with_name("cluster_worker.py"))]
+# The demo's worker and settings (`exdyna-jax demo --processes 4 --method exdyna topk`).
+ACCURACY_WORKER = [sys.executable, "-m", cluster.WORKER_MODULE, "--task=digits-wide",
+                   "--variants=dense,exdyna,exdyna_warmup,topk"]
+ACCURACY_CONFIG = {"density": 0.01, "eval_every": 10}
 ACCURACY_WORKERS, ACCURACY_RATES = 4, ("1gbit", "unshaped")
 RATES = ("100mbit", "1gbit", "unshaped")
 WORKERS = (2, 4, 8)
@@ -55,36 +56,11 @@ STEP_VARIANTS = ("compute", "dense", "exdyna", "exdyna_nospill", "exdyna_referen
                  "spardl", "topk", "cltk", "hard_threshold")
 
 
-class _Lines(io.TextIOBase):
-  """A sink for the launcher: keeps rank 0's JSON lines, echoes the rest to stderr."""
-
-  def __init__(self):
-    self.records: list[dict] = []
-    self.lock = threading.Lock()
-
-  def write(self, text: str) -> int:
-    for line in text.splitlines():
-      if line.startswith("[rank 0] {"):
-        with self.lock:
-          self.records.append(json.loads(line.split(" ", 2)[2]))
-      elif "Gloo" not in line and line.strip():
-        print(line, file=sys.stderr)
-    return len(text)
-
-
-def run_workers(processes: int, devices: int, rate: str | None, worker_args: list[str],
-                timeout: float, worker: str = WORKER) -> list[dict]:
-  """Runs ``worker`` once; rank 0's JSON records."""
-  lines = _Lines()
-  code = launch.launch(
-      [sys.executable, worker, *worker_args], processes=processes,
-      devices_per_process=devices, timeout=timeout, link_rates=rate, stdout=lines,
-      env={**os.environ, "PYTHONPATH": os.pathsep.join(
-          filter(None, [os.environ.get("PYTHONPATH"), str(pathlib.Path(WORKER).parent)]))},
-  )
-  if code:
-    raise RuntimeError(f"the workers failed (exit code {code}): {processes=} {rate=}")
-  return lines.records
+def run_workers(processes: int, devices: int, rate: str | None, command: list[str],
+                timeout: float) -> list[dict]:
+  """Runs ``command`` once as ``processes`` processes; rank 0's JSON records."""
+  return cluster.run_workers(command, processes=processes, devices_per_process=devices,
+                             link_rate=rate, timeout=timeout)
 
 
 def fit_link(calibration: list[dict]) -> dict:
@@ -188,11 +164,13 @@ def main() -> None:
   if "summary" in parts and "runs" in result:  # again, from the runs kept
     result["summary"] = summarize({int(k): v for k, v in result["runs"].items()})
   if "accuracy" in parts:
-    accuracy_args = [f"--steps={args.accuracy_steps}"]
+    steps, command = args.accuracy_steps, ACCURACY_WORKER
     if args.quick:
-      accuracy_args = ["--steps=20", "--variants=dense,exdyna"]
+      steps, command = 20, [*ACCURACY_WORKER, "--variants=dense,exdyna"]
+    config = json.dumps({**ACCURACY_CONFIG, "steps": steps})
     result["time_to_accuracy"] = {
-        rate: run_workers(ACCURACY_WORKERS, 1, rate, accuracy_args, args.timeout, ACCURACY_WORKER)
+        rate: run_workers(ACCURACY_WORKERS, 1, rate, [*command, f"--config={config}"],
+                          args.timeout)
         for rate in (ACCURACY_RATES[:1] if args.quick else ACCURACY_RATES)
     }
   _common.write_json(out, result)
@@ -204,11 +182,12 @@ def step_grid(args) -> dict:
   runs: dict = {}
   for workers in map(int, args.workers.split(",")):
     _common.log(f"n = {workers}: one process of {workers} devices")
-    runs[workers] = {"local": run_workers(1, workers, None, worker_args, args.timeout)}
+    runs[workers] = {"local": run_workers(1, workers, None, [*WORKER, *worker_args],
+                                          args.timeout)}
     for rate in args.rates.split(","):
       _common.log(f"n = {workers}: {workers} processes at {rate}")
-      runs[workers][rate] = run_workers(workers, 1, rate, [*worker_args, "--calibrate"],
-                                        args.timeout)
+      runs[workers][rate] = run_workers(workers, 1, rate,
+                                        [*WORKER, *worker_args, "--calibrate"], args.timeout)
   return runs
 
 

@@ -22,24 +22,21 @@ launch.initialize_from_env()
 import argparse  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
-import warnings  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _cluster_common import (  # noqa: E402
+
+import exdyna_jax  # noqa: E402
+from exdyna_jax.demo import hlo, tasks  # noqa: E402
+from exdyna_jax.demo.cluster_worker import (  # noqa: E402
   AXIS,
   barrier,
   data_mesh,
   local_value,
-  mlp_loss,
-  mlp_params,
   put,
 )
-
-import exdyna_jax  # noqa: E402
-from exdyna_jax.demo import hlo  # noqa: E402
 
 # name -> (registered method, options); "compute" has no sparsifier.
 VARIANTS = {
@@ -54,6 +51,13 @@ VARIANTS = {
     "cltk": ("cltk", {}),
     "hard_threshold": ("hard_threshold", {}),
 }
+
+
+def mlp_loss(layers, batch) -> jax.Array:
+  """Mean softmax cross-entropy of the MLP on ``(inputs, integer labels)``."""
+  inputs, labels = batch
+  logits = tasks.mlp_logits(layers, inputs)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
 def make_tx(variant: str, density: float, learning_rate: float):
@@ -100,16 +104,20 @@ def collectives_of(train_step, *args) -> list[dict]:
 
 def time_variant(variant, mesh, params, batch, args) -> dict:
   tx = make_tx(variant, args.density, args.learning_rate)
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # compute: data_parallel warns there is no sparsifier
-    dp = exdyna_jax.data_parallel(tx, mesh, axis_name=AXIS)
-    opt_state = dp.init(params)
 
-  @dp.step
-  def train_step(params, opt_state, batch):
+  def per_worker_step(params, opt_state, batch):
     grads = jax.grad(mlp_loss)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
+
+  if variant == "compute":  # each worker applies its own gradient: data_parallel refuses that
+    train_step = jax.jit(jax.shard_map(
+        per_worker_step, mesh=mesh, in_specs=(jax.P(), jax.P(), jax.P(AXIS)),
+        out_specs=(jax.P(), jax.P()), check_vma=False), donate_argnums=(0, 1))
+    opt_state = tx.init(params)
+  else:
+    dp = exdyna_jax.data_parallel(tx, mesh, axis_name=AXIS)
+    train_step, opt_state = dp.step(per_worker_step), dp.init(params)
 
   params = jax.tree.map(jnp.copy, params)  # donated below
   collectives = collectives_of(train_step, params, opt_state, batch)
@@ -153,7 +161,9 @@ def main() -> None:
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   sharded = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
 
-  params = jax.tree.map(lambda v: put(v, replicated), mlp_params(args.features, args.hidden))
+  sizes = (args.features, args.hidden, args.hidden, 10)
+  initial = jax.tree.map(np.asarray, tasks.init_mlp(jax.random.key(0), sizes))
+  params = jax.tree.map(lambda v: put(v, replicated), initial)
   rng = np.random.default_rng(1)
   examples = args.batch * jax.device_count()
   batch = (put(rng.normal(size=(examples, args.features)).astype(np.float32), sharded),

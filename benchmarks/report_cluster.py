@@ -6,6 +6,8 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
+from exdyna_jax.demo import cluster
+
 TARGET_WORKERS, TARGET_RATE = "4", "1gbit"
 ORDER = ("compute", "dense", "exdyna", "exdyna_nospill", "exdyna_reference", "micro", "spardl",
          "topk", "cltk", "hard_threshold")
@@ -77,49 +79,17 @@ def _plot_steps(rep, summary: dict) -> str:
   return rep.save_plot(fig, "cluster_steps.png")
 
 
-def _plot_accuracy(rep, runs: list[dict], rate: str) -> str:
-  fig, ax = plt.subplots(figsize=(7, 4))
-  for run in runs:
-    seconds, _, accuracy = zip(*run["curve"], strict=True)
-    ax.plot(seconds, accuracy, label=run["variant"], color="k" if run["variant"] == "dense"
-            else None)
-  ax.set_xlabel("wall-clock seconds of training (evaluation excluded)")
-  ax.set_ylabel("test accuracy")
-  ax.set_ylim(0.5, 1.0)
-  ax.set_title(f"digits, MLP 64-2048-2048-10, 4 processes at {rate}")
-  ax.legend(fontsize=8)
-  return rep.save_plot(fig, f"time_to_accuracy_{rate}.png")
-
-
-def time_to_target(run: dict, target: float) -> float | None:
-  """Seconds at the first evaluation that reached ``target``, or None."""
-  return next((seconds for seconds, _, accuracy in run["curve"] if accuracy >= target), None)
-
-
-def dense_target(runs: list[dict]) -> float:
-  """Dense's final score: the mean of its last three evaluations."""
-  dense = next(run for run in runs if run["variant"] == "dense")
-  last = [accuracy for _, _, accuracy in dense["curve"][-3:]]
-  return sum(last) / len(last)
-
-
 def _accuracy_tables(rep, accuracy: dict, table) -> list[str]:
   parts = []
   for rate, runs in accuracy.items():
-    target = dense_target(runs)
-    dense_time = time_to_target(next(r for r in runs if r["variant"] == "dense"), target)
-    rows = []
-    for run in runs:
-      reached = time_to_target(run, target)
-      rows.append([run["variant"], run["steps"], f"{run['curve'][-1][2]:.4f}",
-                   "not reached" if reached is None else f"{reached:.1f}",
-                   "" if reached is None or dense_time is None else f"{dense_time / reached:.2f}x",
-                   f"{run['bytes_sent']:,}"])
-    parts += [f"**{rate}**: dense's final score {target:.4f} (mean of its last three "
-              "evaluations).", "",
-              table(["method", "steps in dense's time", "final test accuracy",
-                     "seconds to dense's score", "sooner than dense", "bytes / worker / step"],
-                    rows), "", _plot_accuracy(rep, runs, rate), ""]
+    rows = cluster.summary_rows(runs)
+    plot = cluster.plot_curves(runs, rep.results / f"time_to_accuracy_{rate}.png",
+                               f"digits, MLP 64-2048-2048-10, 4 processes at {rate}")
+    parts += [f"**{rate}**: dense's final score {cluster.dense_target(runs):.4f} (mean of its "
+              "last three evaluations); 's to dense's': seconds to it; density: indices sent / "
+              "N at each evaluation; bytes per worker per step.", "",
+              table(list(rows[0]), [list(row.values()) for row in rows]), "",
+              f"![{plot.name}]({plot.name})", ""]
   return parts
 
 
@@ -195,8 +165,8 @@ def _targets(rep, rows_of: dict, accuracy: dict | None) -> None:
                "within 25 %", f"worst {max(errors):.0%}", max(errors) <= 0.25)
   runs = (accuracy or {}).get(TARGET_RATE)
   if runs:
-    target = dense_target(runs)
-    times = {run["variant"]: time_to_target(run, target) for run in runs}
+    target = cluster.dense_target(runs)
+    times = {run["variant"]: cluster.time_to_target(run, target) for run in runs}
     if times.get("dense") and times.get("exdyna"):
       ratio = times["dense"] / times["exdyna"]
       rep.target("cluster: time to dense's accuracy, dense / exdyna (n = 4, 1 Gb/s)", ">= 3",

@@ -7,7 +7,9 @@ import pathlib
 import sys
 from collections.abc import Callable, Sequence
 
+from exdyna_jax import _shaped_links
 from exdyna_jax._registry import available_sparsifiers, registered_name
+from exdyna_jax.demo.tasks import TASKS
 
 DEMO_DESCRIPTION = """\
 Train the same model on real bundled data with `dense` (plain all-reduce) and
@@ -31,12 +33,15 @@ examples:
   exdyna-jax demo --method exdyna micro topk spardl   compare several methods
   exdyna-jax demo --density 0.001 --learning-rate 0.1 --warmup-steps 50
   exdyna-jax demo --density 0.001 --density-warmup 25  25 %, 6.25 %, ... 0.1 %, 25 steps each
+  exdyna-jax demo --processes 4 --link-rate 1gbit      4 processes behind 1 Gb/s links (root):
+                                                       time to dense's accuracy
 
 outputs (in --run-dir):
   metrics-<method>.jsonl  one line per step: loss, density, sent/k, threshold, overflow,
                           partitions, bytes, step time, test metrics every --eval-every
   table.txt, summary.json the comparison (summary.json also lists the collectives)
-  loss.png, density_threshold.png, partitions.png, bytes.png"""
+  loss.png, density_threshold.png, partitions.png, bytes.png
+  with --processes: table.txt, runs.json (test accuracy against seconds), time_to_accuracy.png"""
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -85,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
       f"{', '.join(m for m in available_sparsifiers() if m != 'dense')} (default: exdyna)")
   demo.add_argument("--density", type=_density, default=0.01,
                     help="fraction of gradient elements sent per step (default: 0.01)")
-  demo.add_argument("--steps", type=_int_at_least(1), default=500,
-                    help="training steps per method (default: 500)")
+  demo.add_argument("--steps", type=_int_at_least(1), default=None,
+                    help="training steps per method; with --processes, dense's steps "
+                    "(default: 500; 200 with --processes)")
   demo.add_argument("--workers", type=_int_at_least(1), default=8,
                     help="simulated data-parallel workers (CPU devices) (default: 8)")
   demo.add_argument("--batch-per-worker", type=_int_at_least(1), default=32,
@@ -105,9 +111,25 @@ def build_parser() -> argparse.ArgumentParser:
   demo.add_argument("--warmup-steps", type=int, default=0,
                     help="linear learning-rate warm-up steps; helps very low densities "
                     "(default: 0)")
-  demo.add_argument("--eval-every", type=_int_at_least(1), default=25,
-                    help="evaluate on the test set every N steps (default: 25)")
+  demo.add_argument("--eval-every", type=_int_at_least(1), default=None,
+                    help="evaluate on the test set every N steps (default: 25; 10 with "
+                    "--processes)")
   demo.add_argument("--seed", type=int, default=0, help="seed of weights and batches")
+  demo.add_argument("--task", choices=sorted(TASKS), default=None,
+                    help="digits (85,002-parameter MLP) or digits-wide (4.3M; dense's "
+                    "exchange dominates its step on a slow link) (default: digits; "
+                    "digits-wide with --processes)")
+  cluster = demo.add_argument_group(
+      "across processes on shaped links (needs root or an unprivileged user namespace)")
+  cluster.add_argument("--processes", type=_int_at_least(2), default=None,
+                       help="train as this many JAX processes, one CPU device each, each "
+                       "in its own network namespace; dense runs --steps steps, every other "
+                       "method as many seconds, and the table says when each reached "
+                       "dense's test accuracy")
+  cluster.add_argument("--link-rate", default=None,
+                       help="each process's link, both ways, in tc's notation: 1gbit, "
+                       "100mbit, unshaped, or one rate per process, comma-separated "
+                       "(default: 1gbit)")
   demo.add_argument("--run-dir", type=pathlib.Path, default=None,
                     help="output directory (default: runs/<task>-d<density>-<time>)")
   demo.add_argument("--no-progress", action="store_true", help="hide the progress bars")
@@ -126,28 +148,64 @@ def _use_cpu_devices(count: int) -> None:
     pass
 
 
+def _demo_config(args: argparse.Namespace, *, steps: int, eval_every: int):
+  from exdyna_jax import demo
+
+  return demo.TrainConfig(
+      steps=args.steps or steps, density=args.density, batch_per_worker=args.batch_per_worker,
+      learning_rate=args.learning_rate, momentum=args.momentum,
+      warmup_steps=args.warmup_steps, density_warmup=args.density_warmup,
+      value_dtype=args.value_dtype, eval_every=args.eval_every or eval_every, seed=args.seed,
+  )
+
+
 def run_demo_command(args: argparse.Namespace) -> int:
   """Runs ``exdyna-jax demo`` with parsed arguments; returns the exit status."""
+  if args.processes is not None:
+    return run_cluster_demo_command(args)
   _use_cpu_devices(args.workers)
   from exdyna_jax import demo
 
-  config = demo.TrainConfig(
-      steps=args.steps, density=args.density, batch_per_worker=args.batch_per_worker,
-      learning_rate=args.learning_rate, momentum=args.momentum,
-      warmup_steps=args.warmup_steps, density_warmup=args.density_warmup,
-      value_dtype=args.value_dtype,
-      eval_every=args.eval_every, seed=args.seed,
-  )
   demo.run_demo(
-      args.method, config=config, workers=args.workers, run_dir=args.run_dir,
-      progress=not args.no_progress, plots=not args.no_plots,
+      args.method, task=args.task or "digits", config=_demo_config(args, steps=500, eval_every=25),
+      workers=args.workers, run_dir=args.run_dir, progress=not args.no_progress,
+      plots=not args.no_plots,
   )
+  return 0
+
+
+def run_cluster_demo_command(args: argparse.Namespace) -> int:
+  """``exdyna-jax demo --processes n``: time to accuracy on shaped links; the exit status."""
+  from exdyna_jax.demo import cluster
+
+  try:
+    cluster.run_cluster_demo(
+        args.method, processes=args.processes, link_rate=args.link_rate or "1gbit",
+        task=args.task or cluster.DEFAULT_TASK,
+        config=_demo_config(args, steps=200, eval_every=10), run_dir=args.run_dir,
+        plots=not args.no_plots,
+    )
+  except PermissionError as error:
+    print(f"exdyna-jax demo: {error}\nWithout --processes the demo runs on simulated "
+          "devices of one process and needs no privileges.", file=sys.stderr)
+    return 2
+  except RuntimeError as error:
+    print(f"exdyna-jax demo: {error}", file=sys.stderr)
+    return 1
   return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Entry point of ``exdyna-jax``; returns the exit status."""
-  args = build_parser().parse_args(argv)
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  if args.command == "demo" and args.link_rate is not None:
+    if args.processes is None:
+      parser.error("--link-rate needs --processes")
+    try:
+      _shaped_links.link_rates(args.link_rate, args.processes)
+    except ValueError as error:
+      parser.error(str(error))
   if args.command == "demo":
     return run_demo_command(args)
   raise AssertionError(f"unhandled command {args.command!r}")

@@ -151,7 +151,7 @@ def scheduled_step(
     where a level is dense it carries the mean in ``base`` and
     ``sent_all=True``.
   """
-  if len(levels) == 1:
+  if len(levels) == 1 and levels[0].density < 1.0:
     return step_for(levels[0].density)
   steps = [None if level.density == 1.0 else step_for(level.density) for level in levels]
   first_steps = [level.first_step for level in levels]
@@ -163,7 +163,8 @@ def scheduled_step(
         jax.eval_shape(lambda a, st, s=s: s(a, st, num_workers)[0], accumulated, state)
         for s in steps
         if s
-    ]
+    ] or [_exchange.SparseUpdate(jax.ShapeDtypeStruct((1,), jnp.int32),  # density 1.0 only
+                                 jax.ShapeDtypeStruct((1,), accumulated.dtype))]
     slots = max(shape.indices.shape[0] for shape in shapes)
 
     def padded(sparse):

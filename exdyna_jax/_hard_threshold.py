@@ -54,7 +54,8 @@ def hard_threshold(
 
   Args:
     density: fraction ``d`` setting the threshold ``1 / (2 sqrt(d N))`` and
-      the default capacity.
+      the default capacity (1.0: threshold 0, every element sent: the dense
+      mean).
     threshold: a fixed threshold instead of ``density``.
     axis_name: name of the data-parallel axis.
     capacity_factor: default buffer size as a multiple of ``k`` (with
@@ -122,6 +123,8 @@ def hard_threshold(
     if density is None:
       return threshold, min(capacity, num_elements)
     k = _options.target_count(density, num_elements)
+    if density == 1.0:  # every element passes: the dense mean, as in every method
+      return 0.0, num_elements
     slots = capacity or math.ceil(capacity_factor * k)
     return _threshold.hard_threshold_rule(k), max(1, min(slots, num_elements))
 

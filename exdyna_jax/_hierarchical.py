@@ -185,6 +185,9 @@ def hierarchical(
     sparsifier's state (for the slice, in scatter mode).
 
   Raises:
+    TypeError: if ``sparsifier`` is not one of this package's sparsifiers
+      (another transform, a chain, a ``hierarchical``): the devices of a node
+      would apply different updates.
     ValueError: for an empty ``fast_axis`` or an unknown ``fast_reduce``.
   """
   if not isinstance(fast_axis, str) or not fast_axis:
@@ -193,7 +196,16 @@ def hierarchical(
     raise ValueError(
         f"fast_reduce must be one of {FAST_REDUCE_MODES}, got {fast_reduce!r}."
     )
-  if _collectives.axis_of(sparsifier) == fast_axis:
+  slow_axis = _collectives.axis_of(sparsifier)
+  if slow_axis is None:
+    raise TypeError(
+        "hierarchical wraps one of this package's sparsifiers itself (exdyna_jax.exdyna, "
+        f"topk, ..., dense), got {type(sparsifier).__name__} {sparsifier!r:.80}: another "
+        "transform, a chain, or a hierarchical(...) already. Put other transforms after "
+        "it: optax.chain(hierarchical(exdyna_jax.exdyna(0.001, axis_name='node'), "
+        "fast_axis='local'), optax.sgd(0.1)); one hierarchical covers both levels."
+    )
+  if slow_axis == fast_axis:
     raise ValueError(
         f"The sparsifier exchanges over {fast_axis!r}, the fast axis: its selections would "
         "stay inside each node and the nodes would drift apart. Build it over the slow "

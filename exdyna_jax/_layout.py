@@ -8,7 +8,10 @@ implementation. Accumulation happens in float32 whatever the leaf dtype.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -39,6 +42,26 @@ class FlatLayout(NamedTuple):
     return tuple(math.prod(shape) for shape in self.shapes)
 
 
+# The params trees that sparsifiers' init() saw, while `recording_params` runs.
+_PARAMS_SEEN: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "exdyna_jax_params_seen", default=None)
+
+
+@contextlib.contextmanager
+def recording_params() -> Iterator[list]:
+  """Collects the params tree every sparsifier's init() sees in the block.
+
+  ``optax.masked`` hands its inner transform ``optax.MaskedNode`` where a
+  leaf is masked out, so the trees say which leaves reach a sparsifier.
+  """
+  seen: list = []
+  token = _PARAMS_SEEN.set(seen)
+  try:
+    yield seen
+  finally:
+    _PARAMS_SEEN.reset(token)
+
+
 def layout_of(tree: Any, *, what: str = "params") -> FlatLayout:
   """Describes ``tree`` as a flat vector, rejecting what cannot be sparsified.
 
@@ -53,6 +76,9 @@ def layout_of(tree: Any, *, what: str = "params") -> FlatLayout:
     TypeError: if a leaf is not a floating-point array.
     ValueError: if the tree is empty or has ``2**31`` elements or more.
   """
+  seen = _PARAMS_SEEN.get()
+  if seen is not None and what == "params":
+    seen.append(tree)
   leaves, treedef = jax.tree.flatten(tree)
   if not leaves:
     raise ValueError(f"The {what} tree has no array leaves; there is nothing to sparsify.")

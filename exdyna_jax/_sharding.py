@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax import P
 
-from exdyna_jax import _stats
+from exdyna_jax import _layout, _stats
 
 
 def add_worker_axis(tree):
@@ -34,6 +34,45 @@ def add_worker_axis(tree):
 def drop_worker_axis(tree):
   """Drops the leading worker axis of every leaf (per-worker state into shard_map)."""
   return jax.tree.map(lambda x: x[0], tree)
+
+
+def refuse_unexchanged_leaves(params: Any, seen: list) -> None:
+  """Raises where a parameter's gradient would reach no sparsifier.
+
+  Outside every sparsifier a leaf's gradient stays each worker's own, and
+  the replicated params leaving the step would be worker 0's: a silent
+  wrong answer. ``seen`` holds the params tree each sparsifier's init saw
+  (`_layout.recording_params`): ``optax.MaskedNode`` where ``optax.masked``
+  (or ``optax.multi_transform``) kept a leaf from it.
+
+  Raises:
+    ValueError: if ``tx`` holds no sparsifier, or names the leaves none sees.
+  """
+  if not seen:
+    raise ValueError(
+        "data_parallel(tx, mesh): tx holds no sparsifier, so each worker would train on "
+        "its own gradient and the params leaving the step would be worker 0's. Put one "
+        "first in the chain: optax.chain(exdyna_jax.exdyna(0.001), optax.sgd(0.1)), or "
+        "exdyna_jax.dense() for a plain all-reduce."
+    )
+  is_masked = lambda node: isinstance(node, optax.MaskedNode)  # noqa: E731
+  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  reached = set()
+  for tree in seen:
+    leaves = jax.tree.leaves(tree, is_leaf=is_masked)
+    if len(leaves) != len(paths):
+      return  # a tree of another shape (a hierarchical slice, say): cannot tell
+    reached |= {i for i, leaf in enumerate(leaves) if not is_masked(leaf)}
+  missed = [jax.tree_util.keystr(path) for i, path in enumerate(paths) if i not in reached]
+  if missed:
+    raise ValueError(
+        f"No sparsifier sees the gradient of {', '.join(missed[:5])}"
+        f"{f' and {len(missed) - 5} more' if len(missed) > 5 else ''} (optax.masked or "
+        "multi_transform kept it out): each worker would train it on its own gradient and "
+        "the params leaving the step would be worker 0's. Exchange those leaves densely: "
+        "optax.multi_transform({'sparse': exdyna_jax.exdyna(0.001), 'dense': "
+        "exdyna_jax.dense()}, labels), chained before the optimizer."
+    )
 
 
 def warn_if_not_first(opt_state: Any, params: Any) -> None:
@@ -77,7 +116,11 @@ class DataParallel(NamedTuple):
 
   Attributes:
     init: ``params -> opt_state``; every state leaf has a leading axis of size
-      ``n`` sharded over the mesh axis (one slice per worker).
+      ``n`` sharded over the mesh axis (one slice per worker). It raises a
+      ``ValueError`` where the gradient of some leaf would reach no
+      sparsifier (``optax.masked``, a ``multi_transform`` group without one,
+      no sparsifier at all): exchange such leaves with `exdyna_jax.dense` in
+      a group of their own.
     step: decorator: ``per_worker_step -> train_step``.
       ``per_worker_step(params, opt_state, batch, *args) -> (params,
       opt_state, *aux)`` runs on every worker with the replicated
@@ -204,7 +247,9 @@ def data_parallel(
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
   def init(params):
-    opt_state = shard(lambda p: add_worker_axis(tx.init(p)), P(), per_worker)(params)
+    with _layout.recording_params() as seen:
+      opt_state = shard(lambda p: add_worker_axis(tx.init(p)), P(), per_worker)(params)
+    refuse_unexchanged_leaves(params, seen)
     warn_if_not_first(opt_state, params)
     return opt_state
 

@@ -280,3 +280,36 @@ def test_a_stateful_transform_before_the_sparsifier_is_warned_about_by_data_para
     warnings.simplefilter("error")
     for tx in fine:
       exdyna_jax.data_parallel(tx, mesh).init(params())
+
+
+@pytest.mark.parametrize("leaves_out", ["masked", "multi_transform"])
+def test_a_leaf_no_sparsifier_sees_is_refused_by_data_parallel(leaves_out):
+  """Its gradient would stay each worker's own, and the params leaving the step worker 0's."""
+  left_out = {
+      "masked": optax.masked(sparsifier(), {"b": False, "w": True}),
+      "multi_transform": optax.multi_transform(
+          {"sparse": sparsifier(), "plain": optax.identity()}, {"b": "plain", "w": "sparse"}),
+  }[leaves_out]
+  dp = exdyna_jax.data_parallel(optax.chain(left_out, optax.sgd(0.1)), harness.mesh_of(NUM_WORKERS))
+  with pytest.raises(ValueError, match=r"No sparsifier sees the gradient of \['b'\].*dense\(\)"):
+    dp.init(params())
+
+
+def test_a_chain_without_a_sparsifier_is_refused_by_data_parallel():
+  dp = exdyna_jax.data_parallel(optax.sgd(0.1), harness.mesh_of(NUM_WORKERS))
+  with pytest.raises(ValueError, match=r"tx holds no sparsifier.*exdyna_jax\.dense\(\)"):
+    dp.init(params())
+
+
+def test_leaves_kept_dense_in_their_own_group_get_the_exact_mean():
+  """The documented way to keep biases dense: dense() in a multi_transform group."""
+  tx = optax.chain(
+      optax.multi_transform({"sparse": sparsifier(), "dense": exdyna_jax.dense()},
+                            {"b": "dense", "w": "sparse"}),
+      optax.sgd(1.0))
+  dp = exdyna_jax.data_parallel(tx, harness.mesh_of(NUM_WORKERS))
+  worker_grads = jax.tree.map(lambda g: g[:, 0], gradients(1))
+  updates, _ = dp.update(worker_grads, dp.init(params()), params())
+  np.testing.assert_allclose(updates["b"], -worker_grads["b"].mean(axis=0), rtol=1e-6)
+  sent = np.count_nonzero(np.asarray(updates["w"]))
+  assert 0 < sent <= NUM_WORKERS * int(DENSITY * 1000)  # w stays sparse: Top-k's union

@@ -11,6 +11,7 @@ import doctest
 import html
 import importlib.util
 import math
+import os
 import pathlib
 import re
 import subprocess
@@ -154,6 +155,23 @@ def test_readme_training_step_runs():
   k = int(0.001 * 128 * 128)  # the first step, before the controller has measured anything
   assert int(stats.step) == 1 and k // 2 <= int(stats.transmitted) <= math.ceil(1.1 * k)
   assert namespace["params"]["w"].shape == (128, 128)
+
+
+def test_readme_training_step_runs_as_shown_in_a_fresh_process_with_one_device(tmp_path):
+  """A new user's CPU machine: one device, nothing configured; the mesh sizes itself."""
+  block = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+  script = tmp_path / "readme.py"
+  script.write_text(
+      "import jax.numpy as jnp\n"
+      "loss_fn = lambda params, batch: jnp.mean((batch[0] @ params['w'] - batch[1]) ** 2)\n"
+      "params, batch = {'w': jnp.zeros((128, 128))}, (jnp.ones((8, 128)), jnp.ones((8, 128)))\n"
+      f"{block}\nprint('devices', jax.device_count(), 'step', int(stats.step))\n")
+  env = {key: value for key, value in os.environ.items()
+         if key not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+  result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env={**env, "JAX_PLATFORMS": "cpu"}, timeout=120, check=False)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "devices 1 step 1" in result.stdout
 
 
 def test_readme_is_short_and_links_to_the_pages():

@@ -624,3 +624,14 @@ def test_scatter_names_the_slice_when_it_is_too_small():
     jax.eval_shape(init, jnp.zeros((2, 2)))
   psum = exdyna_jax.hierarchical(blocks, fast_reduce="psum")
   jax.eval_shape(_nested_vmap(lambda _: psum.init(params)), jnp.zeros((2, 2)))
+
+
+@pytest.mark.parametrize("inner", ["sgd", "chain", "hierarchical"])
+def test_only_a_sparsifier_itself_is_wrapped(inner):
+  """Anything else would let the devices of a node apply different updates."""
+  sparsifier = exdyna_jax.topk(DENSITY, axis_name=NODE)
+  wrapped = {"sgd": lambda: optax.sgd(0.1),
+             "chain": lambda: optax.chain(sparsifier, optax.sgd(0.1)),
+             "hierarchical": lambda: exdyna_jax.hierarchical(sparsifier, fast_axis=LOCAL)}[inner]
+  with pytest.raises(TypeError, match="wraps one of this package's sparsifiers itself"):
+    exdyna_jax.hierarchical(wrapped(), fast_axis=LOCAL)

@@ -166,3 +166,49 @@ def test_without_the_privileges_the_launcher_says_what_to_do():
   assert "Operation not permitted" in err and "unshare --user --map-root-user" in err
   assert "Without --link-rate" in err
   assert _leftovers(proc.pid, set()) == []
+
+
+def _start_cluster_demo(run_dir: Path, *args: str, prefix=()) -> subprocess.Popen:
+  return subprocesses.start([*prefix, sys.executable, "-m", "exdyna_jax", "demo",
+                             "--processes=2", "--link-rate=1gbit", "--task=digits",
+                             "--steps=10", "--eval-every=5", f"--run-dir={run_dir}", *args])
+
+
+@needs_namespaces
+def test_the_demo_on_shaped_links_times_each_method_to_denses_accuracy(tmp_path):
+  code, out, err, _ = subprocesses.finish(_start_cluster_demo(tmp_path), HARD_TIMEOUT)
+  assert code == 0, err[-3000:]
+  saved = json.loads((tmp_path / "runs.json").read_text())
+  dense, exdyna = saved["runs"]
+  assert (dense["variant"], exdyna["variant"], saved["link_rate"]) == ("dense", "exdyna", "1gbit")
+  assert dense["steps"] == 10 and [point[1] for point in dense["curve"]] == [5, 10]
+  # ExDyna trains for dense's seconds, so its last evaluation comes at or after them.
+  assert exdyna["curve"][-1][0] >= dense["seconds"] > 0
+  assert exdyna["bytes_sent"] * 20 < dense["bytes_sent"]
+  assert all(0 < point[3] < exdyna["num_elements"] for point in exdyna["curve"])
+  header, *rows = [line for line in out.splitlines() if line.startswith(("method", "dense ",
+                                                                          "exdyna "))]
+  assert header.split()[:4] == ["method", "steps", "step", "ms"] and len(rows) == 2
+  assert max(len(line) for line in out.splitlines()) <= 100
+  assert (tmp_path / "time_to_accuracy.png").stat().st_size > 0
+
+
+@needs_namespaces
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_the_demo_without_the_privileges_says_how_to_run_it(tmp_path):
+  drop = ("setpriv", "--bounding-set=-net_admin,-sys_admin")
+  code, _, err, _ = subprocesses.finish(_start_cluster_demo(tmp_path, prefix=drop), HARD_TIMEOUT)
+  assert code == 2, err[-3000:]
+  assert "unshare --user --map-root-user" in err and "Without --processes" in err
+  assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--link-rate=1gbit"], "--link-rate needs --processes"),
+    (["--processes=2", "--link-rate=1gbit,1gbit,1gbit"], "3 link rates for 2 processes"),
+    (["--processes=1"], "must be an integer >= 2"),
+])
+def test_a_bad_cluster_demo_option_is_a_usage_error(args, message):
+  result = subprocess.run([sys.executable, "-m", "exdyna_jax", "demo", *args],
+                          capture_output=True, text=True, timeout=60, check=False)
+  assert result.returncode == 2 and message in result.stderr

@@ -75,7 +75,8 @@ def summarize(run: MethodRun, dense_hlo_bytes: int | None) -> dict[str, Any]:
   return summary
 
 
-def _format_bytes(num_bytes: float) -> str:
+def format_bytes(num_bytes: float) -> str:
+  """``1234567`` -> ``"1.2 MB"`` (decimal units)."""
   for unit in ("B", "kB", "MB", "GB"):
     if abs(num_bytes) < 1000 or unit == "GB":
       return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
@@ -114,8 +115,8 @@ def format_table(summaries: Sequence[dict[str, Any]], metric: str) -> str:
     rows.append([
         s["method"], shown, delta, f"{s['density']:.4%}", f"{s['sent_over_k']:.3f}",
         f"{s['median_sent_error']:.2%}",
-        f"{s['overflow_per_step']:.1f}", _format_bytes(s["hlo_bytes"]),
-        _format_bytes(s["stats_bytes"]),
+        f"{s['overflow_per_step']:.1f}", format_bytes(s["hlo_bytes"]),
+        format_bytes(s["stats_bytes"]),
         "-" if ratio is None else f"{ratio:.3%} (1/{1 / ratio:.0f})",
         f"{s['median_step_ms']:.1f}",
     ])

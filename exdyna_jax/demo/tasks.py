@@ -15,6 +15,8 @@ from exdyna_jax.demo import data
 from exdyna_jax.demo.trainer import Task
 
 DIGITS_LAYER_SIZES = (64, 256, 256, 10)
+# Wide enough that a dense exchange over a 1 Gb/s link costs several times the compute.
+WIDE_DIGITS_LAYER_SIZES = (64, 2048, 2048, 10)
 
 
 def init_mlp(key: jax.Array, sizes: tuple[int, ...]) -> list[dict[str, jax.Array]]:
@@ -94,4 +96,7 @@ def digits_task(layer_sizes: tuple[int, ...] = DIGITS_LAYER_SIZES) -> Task:
   )
 
 
-TASKS = {"digits": digits_task}
+TASKS = {
+    "digits": digits_task,
+    "digits-wide": lambda: digits_task(WIDE_DIGITS_LAYER_SIZES),
+}

@@ -113,7 +113,9 @@ def optimizer_for(method: str, config: TrainConfig) -> optax.GradientTransformat
     learning_rate = optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
   return optax.chain(
       sparsifier_for(method, density_of(config), config.value_dtype),
-      optax.sgd(learning_rate, momentum=config.momentum),
+      # No trace without momentum: its state would cost a step a pass over N (and, on
+      # XLA:CPU, copies of the largest leaves when the update is ExDyna's).
+      optax.sgd(learning_rate, momentum=config.momentum or None),
   )
 
 

@@ -1,0 +1,149 @@
+"""One process of the cluster demo: trains each method for the same seconds.
+
+Started by `exdyna_jax.demo.cluster` through ``exdyna_jax.launch`` (each
+process behind its own shaped link)::
+
+  python -m exdyna_jax.demo.cluster_worker --task digits-wide \\
+      --variants dense,exdyna --config '{"steps": 300, "density": 0.01}'
+
+Every process trains the task's model with the donated
+``data_parallel(tx, mesh).step`` a user runs, one variant after the other.
+``dense`` trains ``config.steps`` steps and its time (evaluation excluded)
+is every other variant's budget, so the scores compare at equal seconds. A
+variant ``<method>_warmup`` starts with a DGC density warm-up
+(``config.density_warmup`` steps per level, 25 by default). Process 0 prints
+one JSON line per variant (its curve of ``(seconds, step, test_accuracy,
+transmitted)`` points, taken every ``config.eval_every`` steps) and a
+progress line per evaluation on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import exdyna_jax
+from exdyna_jax import launch
+from exdyna_jax.demo import tasks
+from exdyna_jax.demo.trainer import AXIS, Task, TrainConfig, optimizer_for
+
+DEFAULT_DENSITY_WARMUP = 25
+
+
+def data_mesh() -> jax.sharding.Mesh:
+  """One ``AXIS`` over every device of every process."""
+  return jax.make_mesh((jax.device_count(),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def put(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  """A global array of ``value`` (the same on every process) laid out as ``sharding``."""
+  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def local_value(x: jax.Array):
+  """The first element of this process's first shard of ``x`` (a per-worker stat, say)."""
+  return np.asarray(x.addressable_shards[0].data).reshape(-1)[0]
+
+
+def barrier(mesh: jax.sharding.Mesh, value: float = 0.0) -> float:
+  """Waits for every process; returns the largest ``value`` of any process."""
+  local = np.full((jax.local_device_count(),), value, np.float32)
+  values = jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, jax.P(AXIS)),
+                                                  local)
+  largest = jax.jit(jax.shard_map(lambda v: jax.lax.pmax(v, AXIS), mesh=mesh,
+                                  in_specs=jax.P(AXIS), out_specs=jax.P()))(values)
+  return float(local_value(largest))
+
+
+def variant_config(variant: str, config: TrainConfig) -> tuple[str, TrainConfig]:
+  """The method of ``variant`` and its config: ``*_warmup`` adds a density warm-up."""
+  method = variant.removesuffix("_warmup")
+  if method == variant:
+    return method, config
+  return method, dataclasses.replace(
+      config, density_warmup=config.density_warmup or DEFAULT_DENSITY_WARMUP)
+
+
+def train_timed(variant: str, task: Task, config: TrainConfig, mesh: jax.sharding.Mesh, *,
+                budget: float | None) -> dict:
+  """Trains ``config.steps`` steps (``budget`` None) or ``budget`` seconds; its curve."""
+  method, config = variant_config(variant, config)
+  tx = optimizer_for(method, config)
+  dp = exdyna_jax.data_parallel(tx, mesh, axis_name=AXIS)
+  replicated = jax.sharding.NamedSharding(mesh, jax.P())
+  sharded = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
+  initial = jax.tree.map(np.asarray, task.init_params(jax.random.key(config.seed)))
+  params = jax.tree.map(lambda v: put(v, replicated), initial)
+  opt_state = dp.init(params)
+
+  @dp.step
+  def train_step(params, opt_state, batch):
+    grads = jax.grad(task.loss_fn)(params, *batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  def batch(rng):
+    inputs, targets = task.sample_batch(rng, config.batch_per_worker * jax.device_count())
+    return put(inputs, sharded), put(targets.astype(np.int32), sharded)
+
+  evaluate = jax.jit(task.evaluate)
+  # Compile off the clock: one step on copies (donated), thrown away.
+  copies = jax.tree.map(jnp.copy, (params, opt_state))
+  jax.block_until_ready(train_step(*copies, batch(np.random.default_rng(config.seed + 1))))
+  evaluate(params)
+  rng = np.random.default_rng(config.seed)  # the same batches on every process and variant
+  curve, step_seconds, seconds, step, done = [], [], 0.0, 0, False
+  while not done:
+    next_batch = batch(rng)
+    start = time.perf_counter()
+    params, opt_state = jax.block_until_ready(train_step(params, opt_state, next_batch))
+    step_seconds.append(time.perf_counter() - start)
+    seconds += step_seconds[-1]
+    step += 1
+    if step % config.eval_every == 0:  # every process decides alike: on the slowest one's clock
+      seconds = barrier(mesh, seconds)
+      accuracy = float(evaluate(params)["test_accuracy"])
+      transmitted = int(local_value(dp.stats(opt_state).transmitted))
+      curve.append((round(seconds, 4), step, accuracy, transmitted))
+      done = step >= config.steps if budget is None else seconds >= budget
+      if jax.process_index() == 0:
+        print(f"{variant}: step {step}, {seconds:.1f} s, test accuracy {accuracy:.4f}",
+              file=sys.stderr, flush=True)
+  return {"variant": variant, "curve": curve, "steps": step, "seconds": seconds,
+          "median_step_ms": round(1e3 * float(np.median(step_seconds)), 2),
+          "num_elements": sum(v.size for v in jax.tree.leaves(initial)),
+          "bytes_sent": int(local_value(dp.stats(opt_state).bytes_sent))}
+
+
+def main(argv: list[str] | None = None) -> None:
+  """Trains every ``--variants`` in turn; process 0 prints a JSON line for each."""
+  launch.initialize_from_env()  # before JAX computes anything
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--task", default="digits-wide", choices=sorted(tasks.TASKS))
+  parser.add_argument("--variants", default="dense,exdyna")
+  parser.add_argument("--config", default="{}", help="TrainConfig fields as JSON")
+  args = parser.parse_args(argv)
+  config = TrainConfig(**json.loads(args.config))
+  variants = args.variants.split(",")
+  if variants[0] != "dense":
+    raise SystemExit("dense comes first: its time is every other variant's budget")
+  task, mesh = tasks.TASKS[args.task](), data_mesh()
+  budget = None
+  for variant in variants:
+    result = train_timed(variant, task, config, mesh, budget=budget)
+    budget = result["seconds"] if budget is None else budget
+    if jax.process_index() == 0:
+      print(json.dumps({**result, "processes": jax.process_count(),
+                        "density": config.density}), flush=True)
+
+
+if __name__ == "__main__":
+  main()
