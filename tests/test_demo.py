@@ -39,8 +39,19 @@ def test_demo_writes_metrics_table_and_plots(demo_run, capsys):
   for plot in PLOTS:
     assert (demo_run / plot).stat().st_size > 1000, plot
   table = (demo_run / "table.txt").read_text()
-  assert "bytes/worker/step (HLO)" in table
+  assert table.splitlines()[1].split()[:4] == ["method", "test", "acc.", "vs"]
   assert table.splitlines()[3].startswith("dense") and table.splitlines()[4].startswith("exdyna")
+  assert max(len(line) for line in table.splitlines()) <= 100
+
+
+def test_the_wide_table_adds_the_compiled_bytes_and_the_spread_of_sent_over_k(demo_run):
+  summaries = json.loads((demo_run / "summary.json").read_text())["summaries"]
+  narrow = report.format_table(summaries, "test_accuracy").splitlines()
+  wide = report.format_table(summaries, "test_accuracy", wide=True).splitlines()
+  assert "bytes (HLO)" in wide[0] and "med |sent/k-1|" in wide[0]
+  assert "bytes (HLO)" not in narrow[0] and len(wide[0]) > len(narrow[0])
+  exdyna = next(row for row in summaries if row["method"] == "exdyna")
+  assert report.format_bytes(exdyna["hlo_bytes"]) in wide[3]
 
 
 def test_printed_traffic_ratio_is_the_compiled_programs(demo_run):

@@ -78,6 +78,7 @@ def run_demo(
     run_dir: pathlib.Path | str | None = None,
     progress: bool = True,
     plots: bool = True,
+    wide: bool = False,
     out: TextIO | None = None,
 ) -> DemoResult:
   """Trains ``task`` with ``dense`` and with each of ``methods``; compares them.
@@ -94,6 +95,8 @@ def run_demo(
     run_dir: output directory (default: `default_run_dir`).
     progress: show a progress bar per run (on stderr).
     plots: write the PNG plots.
+    wide: print every column of the table (the default fits 100 columns;
+      ``summary.json`` holds every figure either way).
     out: where to print the table (default ``sys.stdout``).
 
   Returns:
@@ -125,7 +128,7 @@ def run_demo(
   metric = next(iter(runs[0].final_metrics))
   dense_bytes = runs[0].hlo_bytes
   summaries = [report.summarize(run, dense_bytes) for run in runs]
-  table = report.format_table(summaries, metric)
+  table = report.format_table(summaries, metric, wide=wide)
   header = (f"{task}: {runs[0].num_elements:,} parameters, {workers} workers, "
             f"{config.steps} steps, density {config.density:g}")
   print(f"\n{header}\n{table}", file=out)

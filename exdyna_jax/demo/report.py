@@ -6,6 +6,7 @@ import argparse
 import json
 import pathlib
 import statistics
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
@@ -84,23 +85,26 @@ def format_bytes(num_bytes: float) -> str:
   raise AssertionError("unreachable")
 
 
-def format_table(summaries: Sequence[dict[str, Any]], metric: str) -> str:
+def format_table(summaries: Sequence[dict[str, Any]], metric: str, *, wide: bool = False) -> str:
   """The comparison table, one row per method, as aligned plain text.
 
   Args:
     summaries: `summarize` results; a ``dense`` row, if any, is the baseline
       of the metric difference.
     metric: the headline metric key, e.g. ``"test_accuracy"``.
+    wide: add the median ``|sent/k - 1|`` and the compiled program's bytes
+      beside the library's count (the default fits 100 columns).
 
   Returns:
-    The table, with a legend line under it.
+    The table, with a legend under it.
   """
   baseline = next((s for s in summaries if s["method"] == "dense"), None)
   is_accuracy = "accuracy" in metric
-  header = [
-      "method", metric.replace("_", " "), "vs dense", "density", "sent/k", "med |sent/k-1|",
-      "overflow/step", "bytes/worker/step (HLO)", "(stats)", "bytes vs dense", "step ms",
-  ]
+  header = ["method", metric.replace("_", " ").replace("accuracy", "acc."), "vs dense",
+            "density", "sent/k", "overflow", "bytes/step", "vs dense", "step ms"]
+  if wide:
+    header[5:5] = ["med |sent/k-1|"]
+    header[7:7] = ["bytes (HLO)"]
   rows = []
   for s in summaries:
     value = s[metric]
@@ -112,27 +116,28 @@ def format_table(summaries: Sequence[dict[str, Any]], metric: str) -> str:
     else:
       delta = f"{100 * (value / baseline[metric] - 1):+.2f} %"
     ratio = s["ratio_to_dense"]
-    rows.append([
-        s["method"], shown, delta, f"{s['density']:.4%}", f"{s['sent_over_k']:.3f}",
-        f"{s['median_sent_error']:.2%}",
-        f"{s['overflow_per_step']:.1f}", format_bytes(s["hlo_bytes"]),
-        format_bytes(s["stats_bytes"]),
-        "-" if ratio is None else f"{ratio:.3%} (1/{1 / ratio:.0f})",
-        f"{s['median_step_ms']:.1f}",
-    ])
+    row = [s["method"], shown, delta, f"{s['density']:.4%}", f"{s['sent_over_k']:.3f}",
+           f"{s['overflow_per_step']:.1f}", format_bytes(s["stats_bytes"]),
+           "-" if ratio is None else f"{ratio:.3%} (1/{1 / ratio:.0f})",
+           f"{s['median_step_ms']:.1f}"]
+    if wide:
+      row[5:5] = [f"{s['median_sent_error']:.2%}"]
+      row[7:7] = [format_bytes(s["hlo_bytes"])]
+    rows.append(row)
   widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
   lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True))
            for row in [header, *rows]]
   lines.insert(1, "  ".join("-" * width for width in widths))
-  lines.append(
-      "density = indices transmitted / N; sent/k = indices transmitted / k, the count "
-      "asked for (median after step 20); overflow = passed the threshold but was not sent "
-      "(kept in the residual); bytes = what one worker sends per step (ring "
-      "collectives), counted from the compiled HLO (stats: the library's own count, mean "
-      "over the steps; with a density schedule the HLO holds every level, stats what was "
-      "sent)."
+  legend = (
+      "density = indices transmitted / N; sent/k = indices transmitted / k, the count asked "
+      "for (median after step 20); overflow = passed the threshold but not sent (kept in the "
+      "residual), per step; bytes/step = what one worker sends per step (ring collectives), "
+      "the library's count, mean over the steps; vs dense = of dense's bytes."
   )
-  return "\n".join(lines)
+  if wide:
+    legend += (" bytes (HLO): counted from the compiled program (with a density schedule it "
+               "holds every level; on CPU a bfloat16 wire is widened to float32).")
+  return "\n".join([*lines, *textwrap.wrap(legend, 100)])
 
 
 def plot_runs(runs: Sequence[MethodRun], metric: str, out_dir: pathlib.Path) -> list[pathlib.Path]:
