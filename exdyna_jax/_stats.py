@@ -251,7 +251,21 @@ def get_stats(opt_state: Any) -> SparsifierStats:
     >>> stats = exdyna_jax.get_stats(init(jnp.zeros(4096)))  # found however deep
     >>> type(stats).__name__, stats.step.shape
     ('SparsifierStats', (8,))
+
+  Raises:
+    ValueError: if the state holds several sparsifiers' stats (it names
+      where each is).
   """
+  is_stats = lambda node: isinstance(node, SparsifierStats)  # noqa: E731
+  found = [jax.tree_util.keystr(path) for path, node in
+           jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_stats)[0] if is_stats(node)]
+  if len(found) > 1:
+    raise ValueError(
+        f"The optimizer state holds {len(found)} sparsifiers' stats, at opt_state"
+        f"{', opt_state'.join(found)} (several groups of optax.multi_transform, say): "
+        "read each from its own part, e.g. exdyna_jax.get_stats(opt_state"
+        f"{found[0].removesuffix('.stats')})."
+    )
   stats = optax.tree.get(opt_state, "stats")
   if isinstance(stats, Mapping) and set(stats) == set(SparsifierStats._fields):
     # An nnx variable hands out its array with get_value() (a jax.Array has no such method).

@@ -309,7 +309,12 @@ def test_leaves_kept_dense_in_their_own_group_get_the_exact_mean():
       optax.sgd(1.0))
   dp = exdyna_jax.data_parallel(tx, harness.mesh_of(NUM_WORKERS))
   worker_grads = jax.tree.map(lambda g: g[:, 0], gradients(1))
-  updates, _ = dp.update(worker_grads, dp.init(params()), params())
+  updates, opt_state = dp.update(worker_grads, dp.init(params()), params())
   np.testing.assert_allclose(updates["b"], -worker_grads["b"].mean(axis=0), rtol=1e-6)
   sent = np.count_nonzero(np.asarray(updates["w"]))
   assert 0 < sent <= NUM_WORKERS * int(DENSITY * 1000)  # w stays sparse: Top-k's union
+  # Two sparsifiers' stats: the error says where each is, and each part reads alone.
+  with pytest.raises(ValueError, match=r"2 sparsifiers' stats, at opt_state\[0\]\.inner_"):
+    dp.stats(opt_state)
+  sparse_stats = dp.stats(opt_state[0].inner_states["sparse"].inner_state)
+  assert int(sparse_stats.transmitted) == sent
