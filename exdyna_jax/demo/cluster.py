@@ -80,10 +80,11 @@ def run_workers(command: Sequence[str], *, processes: int, link_rate: str | None
     PermissionError: shaped links without the privileges (says what to do).
     RuntimeError: a worker failed or the run timed out.
   """
+  echo = sys.stderr if echo is None else echo
   sink = WorkerRecords(echo)
   code = launch.launch(list(command), processes=processes,
                        devices_per_process=devices_per_process, timeout=timeout,
-                       link_rates=link_rate, stdout=sink, stderr=sink._echo)
+                       link_rates=link_rate, stdout=sink, stderr=echo)
   if code:
     raise RuntimeError(f"the workers failed (exit code {code}): {processes} processes, "
                        f"links {link_rate or 'loopback'}")
