@@ -36,6 +36,29 @@ def drop_worker_axis(tree):
   return jax.tree.map(lambda x: x[0], tree)
 
 
+def check_batch(batch: Any, num_workers: int) -> None:
+  """Raises unless every leaf of ``batch`` has a leading axis the workers can split.
+
+  Raises:
+    TypeError: for a scalar leaf (a Python int, or a list of them).
+    ValueError: for a leading axis not divisible by ``num_workers``.
+  """
+  for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    where = f"batch{jax.tree_util.keystr(path)}"
+    if np.ndim(leaf) == 0:
+      raise TypeError(
+          f"{where} is a scalar ({type(leaf).__name__}): every batch leaf is split over the "
+          f"{num_workers} workers along its leading axis, so it must be an array of shape "
+          "[examples, ...] (a Python list of numbers: jnp.asarray it). Pass per-step "
+          "constants after the batch: train_step(params, opt_state, batch, constant)."
+      )
+    if np.shape(leaf)[0] % num_workers:
+      raise ValueError(
+          f"{where} has {np.shape(leaf)[0]} rows, which {num_workers} workers cannot split "
+          f"evenly: make the global batch a multiple of {num_workers}."
+      )
+
+
 def refuse_unexchanged_leaves(params: Any, seen: list) -> None:
   """Raises where a parameter's gradient would reach no sparsifier.
 
@@ -297,7 +320,14 @@ def data_parallel(
       )
 
     @functools.wraps(per_worker_step)
-    def train_step(params, opt_state, batch, *args):
+    def train_step(params, opt_state, batch, *args, **kwargs):
+      if kwargs:
+        raise TypeError(
+            f"The train step of data_parallel(...).step takes its arguments by position "
+            f"(params, opt_state, batch, *args), got keyword(s) {sorted(kwargs)}: pass them "
+            "positionally, or close over constants in the step."
+        )
+      check_batch(batch, mesh.shape[axis_name])
       opt_state, params, aux = state_first(params, opt_state, batch, *args)
       return (params, opt_state, *aux)
 

@@ -318,3 +318,32 @@ def test_leaves_kept_dense_in_their_own_group_get_the_exact_mean():
     dp.stats(opt_state)
   sparse_stats = dp.stats(opt_state[0].inner_states["sparse"].inner_state)
   assert int(sparse_stats.transmitted) == sent
+
+
+@pytest.mark.parametrize("batch, error, match", [
+    ([1, 2, 3, 4], TypeError, r"batch\[0\] is a scalar \(int\).*jnp.asarray"),
+    (7, TypeError, r"batch is a scalar"),
+    (np.ones((6, 3), np.float32), ValueError, r"6 rows, which 4 workers cannot split"),
+])
+def test_a_batch_the_workers_cannot_split_says_what_to_pass(batch, error, match):
+  tx = optax.chain(sparsifier(), optax.sgd(0.1))
+  dp = exdyna_jax.data_parallel(tx, harness.mesh_of(NUM_WORKERS))
+
+  @dp.step
+  def train_step(params, opt_state, batch):
+    return params, opt_state
+
+  with pytest.raises(error, match=match):
+    train_step(params(), dp.init(params()), batch)
+
+
+def test_the_train_step_names_keyword_arguments_it_cannot_take():
+  tx = optax.chain(sparsifier(), optax.sgd(0.1))
+  dp = exdyna_jax.data_parallel(tx, harness.mesh_of(NUM_WORKERS))
+
+  @dp.step
+  def train_step(params, opt_state, batch, scale):
+    return params, opt_state
+
+  with pytest.raises(TypeError, match=r"by position.*\['scale'\]"):
+    train_step(params(), dp.init(params()), np.ones((4, 3), np.float32), scale=2.0)
