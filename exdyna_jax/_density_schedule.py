@@ -136,6 +136,15 @@ def dgc_warmup(
   return schedule
 
 
+def single_level_step(density: float, step: StepFn, axis_name: str) -> StepFn:
+  """``step`` of a method without schedules; at ``density`` 1.0 the dense mean instead.
+
+  Density 1.0 is `scheduled_step`'s dense level: one ``psum``, every
+  element sent, the residual cleared, as in the methods that take schedules.
+  """
+  return scheduled_step((Level(0, density),), lambda _: step, axis_name)
+
+
 def scheduled_step(
     levels: tuple[Level, ...], step_for: Callable[[float], StepFn], axis_name: str
 ) -> StepFn:

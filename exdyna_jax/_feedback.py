@@ -178,6 +178,7 @@ def stats_state_transform(
     axis_name: str,
     initial_stats: Callable[[int, int], _stats.SparsifierStats],
     sparsify: SparsifyFn,
+    density: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """An `error_feedback_transform` whose state is an `ErrorFeedbackState`.
 
@@ -187,16 +188,21 @@ def stats_state_transform(
     axis_name: the data-parallel axis.
     initial_stats: ``(N, n) -> SparsifierStats`` before the first step.
     sparsify: ``(accumulated, stats, n) -> (sparse_update, stats)``.
+    density: the density the method was built for, if any: at 1.0 the
+      step is the dense mean (`_density_schedule.single_level_step`).
 
   Returns:
     The optax transformation; its state is an `ErrorFeedbackState`.
   """
+  step = stats_step(sparsify)
+  if density is not None:
+    step = _density_schedule.single_level_step(density, step, axis_name)
   return error_feedback_transform(
       axis_name=axis_name,
       init_state=lambda residual, num_elements, num_workers: ErrorFeedbackState(
           residual, initial_stats(num_elements, num_workers)
       ),
-      step=stats_step(sparsify),
+      step=step,
   )
 
 

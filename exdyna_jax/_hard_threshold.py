@@ -54,8 +54,7 @@ def hard_threshold(
 
   Args:
     density: fraction ``d`` setting the threshold ``1 / (2 sqrt(d N))`` and
-      the default capacity (1.0: threshold 0, every element sent: the dense
-      mean).
+      the default capacity (1.0: the dense mean, one all-reduce).
     threshold: a fixed threshold instead of ``density``.
     axis_name: name of the data-parallel axis.
     capacity_factor: default buffer size as a multiple of ``k`` (with
@@ -123,8 +122,6 @@ def hard_threshold(
     if density is None:
       return threshold, min(capacity, num_elements)
     k = _options.target_count(density, num_elements)
-    if density == 1.0:  # every element passes: the dense mean, as in every method
-      return 0.0, num_elements
     slots = capacity or math.ceil(capacity_factor * k)
     return _threshold.hard_threshold_rule(k), max(1, min(slots, num_elements))
 
@@ -164,4 +161,5 @@ def hard_threshold(
           settings(num_elements)[0], num_elements, num_workers
       ),
       sparsify=sparsify,
+      density=density,
   )

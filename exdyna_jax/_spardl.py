@@ -365,5 +365,6 @@ def spardl(
     return sparse, state._replace(stats=stats)
 
   return _feedback.error_feedback_transform(
-      axis_name=axis_name, init_state=init_state, step=step
+      axis_name=axis_name, init_state=init_state,
+      step=_density_schedule.single_level_step(density, step, axis_name),
   )
