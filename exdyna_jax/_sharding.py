@@ -43,6 +43,9 @@ def check_batch(batch: Any, num_workers: int) -> None:
     TypeError: for a scalar leaf (a Python int, or a list of them).
     ValueError: for a leading axis not divisible by ``num_workers``.
   """
+  leaves = jax.tree.leaves(batch)
+  if all(np.ndim(leaf) and np.shape(leaf)[0] % num_workers == 0 for leaf in leaves):
+    return  # every step: no paths formatted
   for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
     where = f"batch{jax.tree_util.keystr(path)}"
     if np.ndim(leaf) == 0:
@@ -289,6 +292,8 @@ def data_parallel(
 
   def value_and_grad(loss_fn):
     def grad_fn(params, batch, *args):
+      check_batch(batch, mesh.shape[axis_name])
+
       def body(params, batch, *args):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch, *args)
         return jax.lax.pmean(loss, axis_name), add_worker_axis(grads)

@@ -335,6 +335,8 @@ def test_a_batch_the_workers_cannot_split_says_what_to_pass(batch, error, match)
 
   with pytest.raises(error, match=match):
     train_step(params(), dp.init(params()), batch)
+  with pytest.raises(error, match=match):  # the pjit-style path checks alike
+    dp.value_and_grad(lambda params, batch: 0.0)(params(), batch)
 
 
 def test_the_train_step_names_keyword_arguments_it_cannot_take():
