@@ -124,10 +124,6 @@ def format_table(summaries: Sequence[dict[str, Any]], metric: str, *, wide: bool
       row[5:5] = [f"{s['median_sent_error']:.2%}"]
       row[7:7] = [format_bytes(s["hlo_bytes"])]
     rows.append(row)
-  widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-  lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True))
-           for row in [header, *rows]]
-  lines.insert(1, "  ".join("-" * width for width in widths))
   legend = (
       "density = indices transmitted / N; sent/k = indices transmitted / k, the count asked "
       "for (median after step 20); overflow = passed the threshold but not sent (kept in the "
@@ -137,7 +133,7 @@ def format_table(summaries: Sequence[dict[str, Any]], metric: str, *, wide: bool
   if wide:
     legend += (" bytes (HLO): counted from the compiled program (with a density schedule it "
                "holds every level; on CPU a bfloat16 wire is widened to float32).")
-  return "\n".join([*lines, *textwrap.wrap(legend, 100)])
+  return "\n".join([align(header, rows), *textwrap.wrap(legend, 100)])
 
 
 def plot_runs(runs: Sequence[MethodRun], metric: str, out_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -228,15 +224,20 @@ def plot_runs(runs: Sequence[MethodRun], metric: str, out_dir: pathlib.Path) -> 
   return written
 
 
+def align(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+  """``header`` over ``rows`` as a plain-text table, columns aligned, a rule under the header."""
+  cells = [[str(cell) for cell in line] for line in [header, *rows]]
+  widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
+  lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True))
+           for line in cells]
+  lines.insert(1, "  ".join("-" * width for width in widths))
+  return "\n".join(lines)
+
+
 def format_rows(rows: Sequence[dict[str, Any]]) -> str:
   """A list of flat dicts (same keys) as an aligned plain-text table."""
   header = list(rows[0])
-  cells = [[str(row[key]) for key in header] for row in rows]
-  widths = [max(len(line[i]) for line in [header, *cells]) for i in range(len(header))]
-  lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True))
-           for line in [header, *cells]]
-  lines.insert(1, "  ".join("-" * width for width in widths))
-  return "\n".join(lines)
+  return align(header, [[row[key] for key in header] for row in rows])
 
 
 def example_parser(description: str, default_out: str) -> argparse.ArgumentParser:
