@@ -33,10 +33,10 @@ from exdyna_jax.demo import hlo, tasks  # noqa: E402
 from exdyna_jax.demo.cluster_worker import (  # noqa: E402
   AXIS,
   barrier,
-  data_mesh,
   local_value,
   put,
 )
+from exdyna_jax.demo.trainer import make_mesh  # noqa: E402
 
 # name -> (registered method, options); "compute" has no sparsifier.
 VARIANTS = {
@@ -82,7 +82,7 @@ def calibrate(mesh, sizes=(16, 4096, 65536, 1 << 20, 4 << 20), repeats: int = 5)
       local = np.ones((jax.local_device_count() * size // 4,), np.float32)
       values = jax.make_array_from_process_local_data(sharding, local)
       jax.block_until_ready(fn(values))
-      barrier(mesh)
+      barrier()
       seconds = []
       for _ in range(repeats):
         start = time.perf_counter()
@@ -123,7 +123,7 @@ def time_variant(variant, mesh, params, batch, args) -> dict:
   collectives = collectives_of(train_step, params, opt_state, batch)
   for _ in range(args.warmup):
     params, opt_state = jax.block_until_ready(train_step(params, opt_state, batch))
-  barrier(mesh)  # every process starts the timed steps together
+  barrier()  # every process starts the timed steps together
   seconds = []
   begin = time.perf_counter()
   for _ in range(args.steps):
@@ -133,7 +133,7 @@ def time_variant(variant, mesh, params, batch, args) -> dict:
   elapsed = time.perf_counter() - begin
   # Without an exchange the processes drift apart (one may run alone a while):
   # the mean over steps that all processes run together is what compares.
-  elapsed = max(elapsed, float(barrier(mesh, elapsed)))
+  elapsed = max(elapsed, barrier(elapsed))
   result = {"variant": variant, "step_ms": [round(s * 1e3, 3) for s in seconds],
             "median_ms": round(float(np.median(seconds)) * 1e3, 3),
             "mean_ms": round(elapsed / args.steps * 1e3, 3), "collectives": collectives}
@@ -157,7 +157,7 @@ def main() -> None:
   parser.add_argument("--calibrate", action="store_true", help="time psum and all_gather first")
   args = parser.parse_args()
 
-  mesh = data_mesh()
+  mesh = make_mesh(jax.device_count())
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   sharded = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
 

@@ -29,18 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 
 import exdyna_jax
 from exdyna_jax import launch
 from exdyna_jax.demo import tasks
-from exdyna_jax.demo.trainer import AXIS, Task, TrainConfig, optimizer_for
+from exdyna_jax.demo.trainer import AXIS, Task, TrainConfig, make_mesh, optimizer_for
 
 DEFAULT_DENSITY_WARMUP = 25
-
-
-def data_mesh() -> jax.sharding.Mesh:
-  """One ``AXIS`` over every device of every process."""
-  return jax.make_mesh((jax.device_count(),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def put(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -53,14 +49,9 @@ def local_value(x: jax.Array):
   return np.asarray(x.addressable_shards[0].data).reshape(-1)[0]
 
 
-def barrier(mesh: jax.sharding.Mesh, value: float = 0.0) -> float:
+def barrier(value: float = 0.0) -> float:
   """Waits for every process; returns the largest ``value`` of any process."""
-  local = np.full((jax.local_device_count(),), value, np.float32)
-  values = jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, jax.P(AXIS)),
-                                                  local)
-  largest = jax.jit(jax.shard_map(lambda v: jax.lax.pmax(v, AXIS), mesh=mesh,
-                                  in_specs=jax.P(AXIS), out_specs=jax.P()))(values)
-  return float(local_value(largest))
+  return float(np.max(multihost_utils.process_allgather(np.float32(value))))
 
 
 def variant_config(variant: str, config: TrainConfig) -> tuple[str, TrainConfig]:
@@ -109,7 +100,7 @@ def train_timed(variant: str, task: Task, config: TrainConfig, mesh: jax.shardin
     seconds += step_seconds[-1]
     step += 1
     if step % config.eval_every == 0:  # every process decides alike: on the slowest one's clock
-      seconds = barrier(mesh, seconds)
+      seconds = barrier(seconds)
       accuracy = float(evaluate(params)["test_accuracy"])
       transmitted = int(local_value(dp.stats(opt_state).transmitted))
       curve.append((round(seconds, 4), step, accuracy, transmitted))
@@ -135,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
   variants = args.variants.split(",")
   if variants[0] != "dense":
     raise SystemExit("dense comes first: its time is every other variant's budget")
-  task, mesh = tasks.TASKS[args.task](), data_mesh()
+  task, mesh = tasks.TASKS[args.task](), make_mesh(jax.device_count())
   budget = None
   for variant in variants:
     result = train_timed(variant, task, config, mesh, budget=budget)
