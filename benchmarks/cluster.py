@@ -56,13 +56,6 @@ STEP_VARIANTS = ("compute", "dense", "exdyna", "exdyna_nospill", "exdyna_referen
                  "spardl", "topk", "cltk", "hard_threshold")
 
 
-def run_workers(processes: int, devices: int, rate: str | None, command: list[str],
-                timeout: float) -> list[dict]:
-  """Runs ``command`` once as ``processes`` processes; rank 0's JSON records."""
-  return cluster.run_workers(command, processes=processes, devices_per_process=devices,
-                             link_rate=rate, timeout=timeout)
-
-
 def fit_link(calibration: list[dict]) -> dict:
   """``alpha`` (s per message) and bandwidth (bit/s) of ``seconds = alpha m + 8 bytes / B``.
 
@@ -169,8 +162,8 @@ def main() -> None:
       steps, command = 20, [*ACCURACY_WORKER, "--variants=dense,exdyna"]
     config = json.dumps({**ACCURACY_CONFIG, "steps": steps})
     result["time_to_accuracy"] = {
-        rate: run_workers(ACCURACY_WORKERS, 1, rate, [*command, f"--config={config}"],
-                          args.timeout)
+        rate: cluster.run_workers([*command, f"--config={config}"], processes=ACCURACY_WORKERS,
+                                  link_rate=rate, timeout=args.timeout)
         for rate in (ACCURACY_RATES[:1] if args.quick else ACCURACY_RATES)
     }
   _common.write_json(out, result)
@@ -182,12 +175,14 @@ def step_grid(args) -> dict:
   runs: dict = {}
   for workers in map(int, args.workers.split(",")):
     _common.log(f"n = {workers}: one process of {workers} devices")
-    runs[workers] = {"local": run_workers(1, workers, None, [*WORKER, *worker_args],
-                                          args.timeout)}
+    runs[workers] = {"local": cluster.run_workers(
+        [*WORKER, *worker_args], processes=1, devices_per_process=workers, link_rate=None,
+        timeout=args.timeout)}
     for rate in args.rates.split(","):
       _common.log(f"n = {workers}: {workers} processes at {rate}")
-      runs[workers][rate] = run_workers(workers, 1, rate,
-                                        [*WORKER, *worker_args, "--calibrate"], args.timeout)
+      runs[workers][rate] = cluster.run_workers(
+          [*WORKER, *worker_args, "--calibrate"], processes=workers, link_rate=rate,
+          timeout=args.timeout)
   return runs
 
 
