@@ -139,9 +139,14 @@ def test_checkpointing_page_sessions_run(tmp_path, monkeypatch):
   assert (tmp_path / "checkpoints" / "step_5").is_dir()
 
 
+def _readme_code() -> str:
+  """The README's first Python block: its usage snippet."""
+  return re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+
+
 def test_readme_training_step_runs():
   """The README's code, with a model, a batch and a loss it leaves to the reader."""
-  block = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+  block = _readme_code()
   assert len(block.strip().splitlines()) <= 16
   x = np.random.default_rng(0).normal(size=(64, 128)).astype(np.float32)
 
@@ -159,7 +164,7 @@ def test_readme_training_step_runs():
 
 def test_readme_training_step_runs_as_shown_in_a_fresh_process_with_one_device(tmp_path):
   """A new user's CPU machine: one device, nothing configured; the mesh sizes itself."""
-  block = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+  block = _readme_code()
   script = tmp_path / "readme.py"
   script.write_text(
       "import jax.numpy as jnp\n"
