@@ -3,8 +3,8 @@
 The vector is read in rows of ``ROW`` elements: `row_counts` counts, per row,
 how many elements pass each of several predicates in one pass (packed 6-bit
 fields), `count_in_range` counts a partition for many probe thresholds, and
-`select_in_range` keeps the lowest ``C`` passing indices of a partition by
-finding the first non-empty rows, then compacting only those. Both loop over
+`select_in_range` keeps the lowest ``C`` passing indices of a partition from
+the bit masks of its first ``C`` non-empty rows. Both loop over
 chunks that cover the range, so their cost follows the partition's length.
 """
 
@@ -130,6 +130,36 @@ class Selection(NamedTuple):
   passed: jax.Array
 
 
+def row_masks(passed: jax.Array) -> jax.Array:
+  """One uint32 per row of 32 elements: bit ``j`` of row ``r`` is element ``32 r + j``.
+
+  Args:
+    passed: bool ``[L]`` (padded with False to whole rows).
+
+  Returns:
+    uint32 ``[ceil(L / 32)]``.
+  """
+  rows = jnp.pad(passed, (0, -passed.shape[0] % ROW)).reshape(-1, ROW)
+  bits = rows.astype(jnp.uint32) << jnp.arange(ROW, dtype=jnp.uint32)
+  return jnp.sum(bits, axis=1, dtype=jnp.uint32)  # distinct powers of two: the sum is their OR
+
+
+def nth_set_bit(masks: jax.Array, ranks: jax.Array) -> jax.Array:
+  """Position of the set bit of rank ``ranks`` (0: the lowest) in each uint32 of ``masks``.
+
+  A binary search over halves, quarters, ... of the word by population
+  counts: five elementwise rounds. ``ranks`` must be below the popcount.
+  """
+  position = jnp.zeros_like(ranks)
+  for width in (16, 8, 4, 2, 1):
+    low = jax.lax.population_count(masks & jnp.uint32((1 << width) - 1)).astype(ranks.dtype)
+    higher = ranks >= low
+    ranks = jnp.where(higher, ranks - low, ranks)
+    masks = jnp.where(higher, masks >> width, masks)
+    position = position + jnp.where(higher, width, 0)
+  return position
+
+
 def select_in_range(
     accumulated: jax.Array,
     threshold: jax.Array,
@@ -143,10 +173,12 @@ def select_in_range(
   """The lowest ``capacity`` indices in ``[begin, end)`` with ``|a| >= threshold``.
 
   A loop over the chunks that overlap the range (as `count_in_range`) reads
-  each once: it counts the passing elements per row of 32 and keeps the
-  first ``capacity`` non-empty rows; only those rows are then read again and
-  compacted. The cost follows the length of the range, so partitions of any
-  length cost what they hold.
+  each once: it turns every row of 32 elements into a bit mask of those that
+  pass (`row_masks`) and keeps the first ``capacity`` non-empty rows with
+  their masks. Output slot ``s`` then falls in the kept row whose running
+  popcount passes ``s`` and is that row's set bit of the remaining rank
+  (`nth_set_bit`): work on ``C`` words, so a high density (almost every row
+  non-empty) costs no more than one pass over the range.
 
   Args:
     accumulated: float32 ``[N]``.
@@ -168,51 +200,49 @@ def select_in_range(
   take = min(capacity, num_rows)  # rows one chunk can contribute
 
   def scan_chunk(index, carry):
-    row_starts, row_floors, filled, passed = carry
+    row_starts, kept_masks, filled, passed = carry
     nominal = index * chunk
     start = jnp.minimum(nominal, num_elements - chunk)  # the last chunk shifts left to fit
-    floor = jnp.maximum(begin, nominal)  # a shifted chunk's overlap is its neighbour's
     ids = start + jnp.arange(chunk, dtype=jnp.int32)
+    # From the nominal start only: a shifted last chunk overlaps the one before.
+    inside = (ids >= jnp.maximum(begin, nominal)) & (ids < end)
     magnitudes = jnp.abs(jax.lax.dynamic_slice(accumulated, (start,), (chunk,)))
-    inside = (ids >= floor) & (ids < end)
-    counts = row_counts(jnp.where(inside, magnitudes, -1.0), threshold[None])[:, 0]
-    (rows,) = jnp.nonzero(counts > 0, size=take, fill_value=num_rows)
+    masks = row_masks(inside & (magnitudes >= threshold))  # NaN passes no threshold
+    (rows,) = jnp.nonzero(masks != 0, size=take, fill_value=num_rows)
     at = (jnp.minimum(filled, capacity),)
     row_starts = jax.lax.dynamic_update_slice(row_starts, start + rows * ROW, at)
-    row_floors = jax.lax.dynamic_update_slice(row_floors, jnp.full((take,), floor), at)
-    return row_starts, row_floors, filled + jnp.sum(counts > 0), passed + jnp.sum(counts)
+    kept_masks = jax.lax.dynamic_update_slice(
+        kept_masks, masks.at[rows].get(mode="fill", fill_value=0), at
+    )
+    nonempty = jnp.sum(masks != 0, dtype=jnp.int32)
+    counts = jnp.sum(jax.lax.population_count(masks).astype(jnp.int32))
+    return row_starts, kept_masks, filled + nonempty, passed + counts
 
   first, last = begin // chunk, (end + chunk - 1) // chunk
   # Zero typed like the gradient (per worker under shard_map), so the loop
   # carry has the type the body returns even where the range is the same on
   # every worker.
   zero = jnp.zeros_like(accumulated, jnp.int32, shape=())
-  empty = jnp.full((capacity + take,), num_elements, jnp.int32) + zero
-  row_starts, row_floors, filled, passed = jax.lax.fori_loop(
-      first, last, scan_chunk, (empty, empty, zero, zero)
+  row_starts = jnp.full((capacity + take,), num_elements, jnp.int32) + zero
+  masks = jnp.zeros((capacity + take,), jnp.uint32) + zero.astype(jnp.uint32)
+  row_starts, masks, _, passed = jax.lax.fori_loop(
+      first, last, scan_chunk, (row_starts, masks, zero, zero)
   )
 
-  # Compact the picked rows: the first C passing elements lie in the first C
-  # non-empty rows.
-  picked_rows = jnp.arange(capacity) < filled
-  element_ids = row_starts[:capacity, None] + jnp.arange(ROW, dtype=jnp.int32)
-  values = accumulated.at[element_ids].get(mode="fill", fill_value=0)
-  picked = (
-      picked_rows[:, None]
-      & (element_ids >= row_floors[:capacity, None])
-      & (element_ids < end)
-      & (jnp.abs(values) >= threshold)
-  )
-  per_row = jnp.sum(picked, axis=1, dtype=jnp.int32)
-  row_offsets = jnp.cumsum(per_row) - per_row
-  rank_in_row = jnp.cumsum(picked, axis=1, dtype=jnp.int32) - 1
-  slots = jnp.where(picked, row_offsets[:, None] + rank_in_row, capacity)
-  indices = jnp.full((capacity,), num_elements, jnp.int32)
-  indices = indices.at[slots.reshape(-1)].set(element_ids.reshape(-1), mode="drop")
+  # Slot s of the buffer: the kept row where the running count passes s, and
+  # the set bit of the rank left in that row. Rows and bits ascend, so do slots.
+  row_starts, masks = row_starts[:capacity], masks[:capacity]
+  per_row = jax.lax.population_count(masks).astype(jnp.int32)
+  row_ends = jnp.cumsum(per_row)
+  slots = jnp.arange(capacity, dtype=jnp.int32)
+  row = jnp.minimum(jnp.searchsorted(row_ends, slots, side="right"), capacity - 1)
+  rank = slots - (row_ends[row] - per_row[row])
+  bit = nth_set_bit(masks[row], rank)
+  indices = jnp.where(slots < row_ends[-1], row_starts[row] + bit, num_elements)
   if fallback_offset is not None:
     fallback = begin + fallback_offset % (end - begin)
     indices = indices.at[0].set(jnp.where(passed == 0, fallback, indices[0]))
-  return Selection(indices, passed)
+  return Selection(indices.astype(jnp.int32), passed)
 
 
 def select_top_k(accumulated: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
