@@ -124,6 +124,15 @@ def error_feedback_transform(
           "by the init tree. Call init() with the same tree you pass to update(), or pass "
           "params= to update() to have both compared."
       )
+    # The step is traced in 32-bit mode whatever jax_enable_x64 says: its
+    # counts, indices and loop carries are int32 and its state the one init()
+    # made. Only the update is cast back to the leaves' dtypes (float64 too).
+    with jax.enable_x64(False):
+      update, new_state = flat_update(updates, state, layout, num_workers)
+    return _layout.unflatten(update, layout), new_state
+
+  def flat_update(updates, state, layout, num_workers):
+    """``update_fn`` on the flat vector: the dense float32 ``[N]`` update and the state."""
     nonfinite = _guard.count_nonfinite(updates, axis_name)
     accumulated = accumulate(updates, state.residual, nonfinite)  # [1, N]
 
@@ -148,7 +157,7 @@ def error_feedback_transform(
     sparse = keep_what_rounding_loses(sparse, layout)
     update = sparse.dense(layout.num_elements)
     residual = sparse.clear(accumulated)[0]
-    return _layout.unflatten(update, layout), rest._replace(residual=residual, stats=stats)
+    return update, rest._replace(residual=residual, stats=stats)
 
   return _collectives.over_axis(
       optax.GradientTransformationExtraArgs(init_fn, update_fn), axis_name
