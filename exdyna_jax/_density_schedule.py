@@ -58,6 +58,11 @@ def density_levels(density: float | Mapping[int, float]) -> tuple[Level, ...]:
       raise TypeError(
           f"A density schedule maps first steps (ints) to densities, got key {first_step!r}."
       )
+    if not 0 <= first_step <= _stats.INT32_MAX:
+      raise ValueError(
+          f"A density schedule's first steps must be in [0, {_stats.INT32_MAX}] (the step "
+          f"counter is int32), got {first_step}."
+      )
     levels.append(Level(int(first_step), _options.check_density(level_density)))
   levels.sort()
   if not levels or levels[0].first_step != 0:

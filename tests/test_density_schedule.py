@@ -138,6 +138,8 @@ def test_a_skipped_step_at_a_dense_level_keeps_the_residual():
         ({0: 0.1, 2.5: 0.01}, TypeError, "first steps"),
         ({0: 1.0, 10: 1.0}, ValueError, r"exdyna_jax.dense\(\)"),
         ({0: 0.1, 10: 0.0}, ValueError, r"density must be in \(0, 1\]"),
+        ({0: 0.1, 2**31: 0.01}, ValueError, r"in \[0, 2147483647\] \(the step counter is int32\)"),
+        ({-5: 0.1, 0: 0.01}, ValueError, r"in \[0, 2147483647\]"),
     ],
 )
 def test_bad_schedules_say_what_is_expected(density, error, match):
