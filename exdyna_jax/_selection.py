@@ -242,7 +242,7 @@ def select_in_range(
   if fallback_offset is not None:
     fallback = begin + fallback_offset % (end - begin)
     indices = indices.at[0].set(jnp.where(passed == 0, fallback, indices[0]))
-  return Selection(indices.astype(jnp.int32), passed)
+  return Selection(indices, passed)
 
 
 def select_top_k(accumulated: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

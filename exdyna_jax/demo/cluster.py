@@ -21,6 +21,7 @@ import io
 import json
 import pathlib
 import sys
+import textwrap
 import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TextIO
@@ -215,9 +216,9 @@ def run_cluster_demo(
   header = (f"{task}: {runs[0]['num_elements']:,} parameters, {processes} processes, links "
             f"{link_rate}, density {config.density:g};\n{config.steps} steps of dense, the others "
             "as many seconds")
-  table = "\n".join([header, report.format_rows(summary_rows(runs)),
-                     "s to dense's = wall-clock seconds to dense's final test accuracy; "
-                     "density = indices sent / N", "(at each evaluation); bytes per worker."])
+  legend = ("s to dense's = wall-clock seconds to dense's final test accuracy; density = "
+            "indices sent / N (at each evaluation); bytes per worker.")
+  table = "\n".join([header, report.format_rows(summary_rows(runs)), *textwrap.wrap(legend, 100)])
   print(f"\n{table}", file=out)
   (run_dir / "table.txt").write_text(table + "\n")
   (run_dir / "runs.json").write_text(json.dumps(
