@@ -1,4 +1,4 @@
-"""Flax NNX with a per-worker train step wired by ``exdyna_jax.data_parallel``.
+"""Flax NNX with a per-worker train step wired by ``exdyna_jax.nnx_step``.
 
 Trains an NNX MLP on scikit-learn's bundled digits with 8 simulated workers,
 once with ``dense`` (plain all-reduce) and once with ExDyna, and prints test
@@ -7,14 +7,16 @@ program's collectives).
 
 The points to copy:
 
-- ``nnx.split`` the model once; the step merges the graph with the
-  parameters it is given, differentiates on this worker's own batch shard,
-  and hands the gradient to the optax chain (sparsifier first);
-- ``@dp.step`` runs that step on every worker (a ``jax.shard_map`` with
-  ``check_vma=False``, so no dense all-reduce is hidden in the gradient: the
-  only collectives in the compiled step are the sparsifier's own, which this
-  script checks), jitted, with the parameters and the per-worker optimizer
-  state donated.
+- ``exdyna_jax.nnx_optimizer(dp, model, wrt=nnx.Param)`` stands for
+  ``nnx.Optimizer(model, tx, wrt=nnx.Param)``: the same object, its state
+  each worker's own;
+- ``@exdyna_jax.nnx_step(dp)`` stands for ``@nnx.jit``: the step, written as
+  for one device, runs on every worker with its shard of the batch (a
+  ``jax.shard_map`` with ``check_vma=False``, so no dense all-reduce is
+  hidden in the gradient: the only collectives in the compiled step are the
+  sparsifier's own, which this script checks), jitted, with the objects'
+  arrays donated and put back. A model with BatchNorm or Dropout needs one
+  more word: see ``examples/flax_mnist.py``.
 
 Run: python examples/nnx_shard_map.py [--steps 300] [--density 0.01] [--method exdyna]
 """
@@ -30,7 +32,6 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from jax import P
 
 import exdyna_jax
 from exdyna_jax.demo import data, report, traffic
@@ -59,43 +60,38 @@ def loss_fn(model: MLP, x: jax.Array, y: jax.Array) -> jax.Array:
 def train(method: str, args: argparse.Namespace, mesh: jax.sharding.Mesh,
           split: data.Split, out_dir: pathlib.Path) -> dict[str, Any]:
   """Trains a fresh model with ``method``; returns its row of the table."""
-  graphdef, params = nnx.split(MLP(nnx.Rngs(args.seed)))
+  model = MLP(nnx.Rngs(args.seed))
   options = {} if method == "dense" else {"density": args.density}
   tx = optax.chain(
       exdyna_jax.get_sparsifier(method, axis_name=AXIS, **options),  # first: local gradients
       optax.sgd(args.learning_rate, momentum=args.momentum),
   )
   dp = exdyna_jax.data_parallel(tx, mesh, axis_name=AXIS)
+  optimizer = exdyna_jax.nnx_optimizer(dp, model, wrt=nnx.Param)
 
-  @dp.step  # runs on every worker: its shard of the batch, its own optimizer state
-  def train_step(params, opt_state, batch):
-    x, y = batch
-    loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), x, y))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)  # sparsify + exchange, then SGD
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  params = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))  # as steps return it
-  opt_state = dp.init(params)
+  @exdyna_jax.nnx_step(dp)  # runs on every worker: its shard of the batch, its own state
+  def train_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+    optimizer.update(model, grads)  # sparsify + exchange, then SGD
+    return loss
 
   rng = np.random.default_rng(args.seed)
   global_batch = mesh.size * args.batch_per_worker
   first = rng.integers(0, len(split.x_train), global_batch)
-  hlo = train_step.lower(params, opt_state, (split.x_train[first], split.y_train[first]))
+  hlo = train_step.lower(model, optimizer, split.x_train[first], split.y_train[first])
   hlo_bytes = traffic.bytes_per_worker(hlo.compile().as_text(), mesh.size)
 
   writer = report.JsonLinesWriter(out_dir / f"metrics-{method}.jsonl")
   losses = []
   for t in range(1, args.steps + 1):
     idx = rng.integers(0, len(split.x_train), global_batch)
-    params, opt_state, worker_losses = train_step(
-        params, opt_state, (split.x_train[idx], split.y_train[idx]))
-    stats = dp.stats(opt_state)
+    worker_losses = train_step(model, optimizer, split.x_train[idx], split.y_train[idx])
+    stats = dp.stats(optimizer.opt_state)
     losses.append(float(np.mean(worker_losses)))
     writer.write({"step": t, "loss": losses[-1], "transmitted": int(stats.transmitted),
                   "threshold": float(stats.threshold), "bytes_sent": int(stats.bytes_sent)})
   writer.close()
 
-  model = nnx.merge(graphdef, params)
   accuracy = float(np.mean(np.argmax(model(split.x_test), -1) == split.y_test))
   return report.example_row(method, accuracy, losses, hlo_bytes, int(stats.bytes_sent))
 

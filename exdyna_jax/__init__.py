@@ -8,11 +8,12 @@ from exdyna_jax._feedback import ErrorFeedbackState
 from exdyna_jax._hard_threshold import hard_threshold
 from exdyna_jax._hierarchical import hierarchical
 from exdyna_jax._micro import micro
+from exdyna_jax._nnx import nnx_optimizer, nnx_step
 from exdyna_jax._registry import available_sparsifiers, get_sparsifier
 from exdyna_jax._resize import resize_workers
 from exdyna_jax._sharding import DataParallel, data_parallel
 from exdyna_jax._spardl import SparDLRounds, SparDLState, spardl
-from exdyna_jax._stats import SparsifierStats, get_stats
+from exdyna_jax._stats import SparsifierStats, get_stats, read_totals
 from exdyna_jax._topk import topk
 
 __all__ = [
@@ -34,9 +35,12 @@ __all__ = [
     "hard_threshold",
     "hierarchical",
     "micro",
+    "nnx_optimizer",
+    "nnx_step",
+    "read_totals",
     "resize_workers",
     "spardl",
     "topk",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -269,6 +269,13 @@ def check_update(
   Returns:
     ``(layout, n)``: the gradient's `FlatLayout` and the number of workers.
   """
+  if not isinstance(getattr(state, "stats", None), _stats.SparsifierStats):
+    raise TypeError(
+        f"The sparsifier's state is a {type(state).__name__}, not the state its init returns "
+        "(a checkpoint restored without a target comes back as plain dicts and lists): "
+        "restore onto a target, e.g. orbax's args=ocp.args.StandardRestore(dp.init(params)) "
+        "or flax.serialization.from_state_dict(dp.init(params), restored)."
+    )
   residual = getattr(state, "residual", None)
   layout = _layout.gradient_layout(
       updates, params, None if residual is None else residual.shape[0]

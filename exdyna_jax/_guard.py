@@ -106,7 +106,8 @@ def skip_if_nonfinite(
     ``previous_stats``. Either way ``stats.nonfinite`` is set to
     ``nonfinite``, ``stats.skipped_steps`` counts the skipped steps, and
     ``stats.bytes_sent`` includes the count's ``psum`` (a skipped step sends
-    nothing else).
+    nothing else), and the running totals add this step's figures (a skipped
+    step's bytes only).
   """
   skip = nonfinite > 0
   resized = previous_stats.num_workers != num_workers
@@ -130,10 +131,16 @@ def skip_if_nonfinite(
   branch = jnp.where(resized, 2, skip.astype(jnp.int32))
   output, stats = jax.lax.switch(branch, (step, skip_step, stop_resized))
   count_bytes = _collectives.ring_all_reduce_bytes(num_workers, _collectives.INDEX_BYTES)
+  bytes_sent = stats.bytes_sent + count_bytes
+  done = branch == 0
   stats = stats._replace(
       nonfinite=nonfinite,
       skipped_steps=previous_stats.skipped_steps + skip.astype(jnp.int32),
-      bytes_sent=stats.bytes_sent + count_bytes,
+      bytes_sent=bytes_sent,
       num_workers=previous_stats.num_workers,
+      transmitted_total=_stats.add_to_total(
+          previous_stats.transmitted_total, done * stats.transmitted),
+      overflow_total=_stats.add_to_total(previous_stats.overflow_total, done * stats.overflow),
+      bytes_total=_stats.add_to_total(previous_stats.bytes_total, bytes_sent),
   )
   return output, stats

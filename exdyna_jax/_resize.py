@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax import _dense, _exdyna, _feedback, _options, _spardl
+from exdyna_jax import _dense, _exdyna, _feedback, _options, _spardl, _stats
 
 # Every sparsifier's state (all but dense's hold a residual).
 SPARSIFIER_STATES = (
@@ -112,6 +112,12 @@ def resize_workers(
 
 
 def _resize(new: Any, old: Any, num_workers: int) -> Any:
+  if isinstance(new, SPARSIFIER_STATES) and type(old) is not type(new):
+    raise ValueError(
+        f"The sparsifier's state is {type(old).__name__}; tx.init makes {type(new).__name__}: "
+        "it was trained with another method (or restored without a target, as plain "
+        "containers). Pass the tx it was trained with; to change methods, init a fresh state."
+    )
   if not isinstance(new, SPARSIFIER_STATES):  # the same on every worker: worker 0's copy
     if jnp.shape(old)[1:] != jnp.shape(new)[1:]:
       raise ValueError(
@@ -136,5 +142,7 @@ def _resize(new: Any, old: Any, num_workers: int) -> Any:
       step=jnp.broadcast_to(old.stats.step[0], new.stats.step.shape),
       threshold=jnp.broadcast_to(old.stats.threshold[0], new.stats.threshold.shape),
       skipped_steps=jnp.broadcast_to(old.stats.skipped_steps[0], new.stats.skipped_steps.shape),
+      **{name: jnp.broadcast_to(getattr(old.stats, name)[0], getattr(new.stats, name).shape)
+         for name in _stats.TOTALS},
   )
   return new._replace(stats=stats, **carried)

@@ -14,16 +14,15 @@ per-worker gradients stacked along that axis instead.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 import optax
 from jax import P
 
-from exdyna_jax import _layout, _stats
+from exdyna_jax import _dp_checks, _layout, _stats
 
 
 def add_worker_axis(tree):
@@ -34,102 +33,6 @@ def add_worker_axis(tree):
 def drop_worker_axis(tree):
   """Drops the leading worker axis of every leaf (per-worker state into shard_map)."""
   return jax.tree.map(lambda x: x[0], tree)
-
-
-def check_batch(batch: Any, num_workers: int) -> None:
-  """Raises unless every leaf of ``batch`` has a leading axis the workers can split.
-
-  Raises:
-    TypeError: for a scalar leaf (a Python int, or a list of them).
-    ValueError: for a leading axis not divisible by ``num_workers``.
-  """
-  leaves = jax.tree.leaves(batch)
-  if all(np.ndim(leaf) and np.shape(leaf)[0] % num_workers == 0 for leaf in leaves):
-    return  # every step: no paths formatted
-  for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-    where = f"batch{jax.tree_util.keystr(path)}"
-    if np.ndim(leaf) == 0:
-      raise TypeError(
-          f"{where} is a scalar ({type(leaf).__name__}): every batch leaf is split over the "
-          f"{num_workers} workers along its leading axis, so it must be an array of shape "
-          "[examples, ...] (a Python list of numbers: jnp.asarray it). Pass per-step "
-          "constants after the batch: train_step(params, opt_state, batch, constant)."
-      )
-    if np.shape(leaf)[0] % num_workers:
-      raise ValueError(
-          f"{where} has {np.shape(leaf)[0]} rows, which {num_workers} workers cannot split "
-          f"evenly: make the global batch a multiple of {num_workers}."
-      )
-
-
-def refuse_unexchanged_leaves(params: Any, seen: list) -> None:
-  """Raises where a parameter's gradient would reach no sparsifier.
-
-  Outside every sparsifier a leaf's gradient stays each worker's own, and
-  the replicated params leaving the step would be worker 0's: a silent
-  wrong answer. ``seen`` holds the params tree each sparsifier's init saw
-  (`_layout.recording_params`): ``optax.MaskedNode`` where ``optax.masked``
-  (or ``optax.multi_transform``) kept a leaf from it.
-
-  Raises:
-    ValueError: if ``tx`` holds no sparsifier, or names the leaves none sees.
-  """
-  if not seen:
-    raise ValueError(
-        "data_parallel(tx, mesh): tx holds no sparsifier, so each worker would train on "
-        "its own gradient and the params leaving the step would be worker 0's. Put one "
-        "first in the chain: optax.chain(exdyna_jax.exdyna(0.001), optax.sgd(0.1)), or "
-        "exdyna_jax.dense() for a plain all-reduce."
-    )
-  is_masked = lambda node: isinstance(node, optax.MaskedNode)  # noqa: E731
-  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-  reached = set()
-  for tree in seen:
-    leaves = jax.tree.leaves(tree, is_leaf=is_masked)
-    if len(leaves) != len(paths):
-      return  # a tree of another shape (a hierarchical slice, say): cannot tell
-    reached |= {i for i, leaf in enumerate(leaves) if not is_masked(leaf)}
-  missed = [jax.tree_util.keystr(path) for i, path in enumerate(paths) if i not in reached]
-  if missed:
-    raise ValueError(
-        f"No sparsifier sees the gradient of {', '.join(missed[:5])}"
-        f"{f' and {len(missed) - 5} more' if len(missed) > 5 else ''} (optax.masked or "
-        "multi_transform kept it out): each worker would train it on its own gradient and "
-        "the params leaving the step would be worker 0's. Exchange those leaves densely: "
-        "optax.multi_transform({'sparse': exdyna_jax.exdyna(0.001), 'dense': "
-        "exdyna_jax.dense()}, labels), chained before the optimizer."
-    )
-
-
-def warn_if_not_first(opt_state: Any, params: Any) -> None:
-  """Warns when a transform with per-parameter state comes before the sparsifier.
-
-  Such a transform (momentum, Adam's moments, ...) runs on each worker's
-  local gradient, and the sparsifier then compresses its output instead of
-  the gradient: the chain trains, but not as the method intends. Its state
-  shows it: leaves shaped like a parameter before the sparsifier's state in
-  the chain's state. (A stateless transform before it, such as clipping,
-  leaves no trace; `docs/bad_inputs.md` lists it.)
-
-  Args:
-    opt_state: the state ``init`` returned, with the leading worker axis.
-    params: the parameters it was built for.
-  """
-  param_shapes = {np.shape(leaf) for leaf in jax.tree.leaves(params) if np.size(leaf) > 1}
-  is_sparsifier = lambda node: isinstance(getattr(node, "stats", None), _stats.SparsifierStats)  # noqa: E731
-  for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_sparsifier)[0]:
-    if is_sparsifier(leaf):
-      return
-    if np.shape(leaf)[1:] in param_shapes:
-      warnings.warn(
-          "A transform with per-parameter state (at opt_state"
-          f"{jax.tree_util.keystr(path)}) runs before the sparsifier: it sees each "
-          "worker's local gradient and the sparsifier compresses its output. Put the "
-          "sparsifier first: optax.chain(exdyna_jax.exdyna(...), <the rest>).",
-          UserWarning,
-          stacklevel=3,
-      )
-      return
 
 
 class DataParallel(NamedTuple):
@@ -166,6 +69,9 @@ class DataParallel(NamedTuple):
       no gradient is all-reduced.
     stats: ``opt_state -> SparsifierStats`` without the worker axis (the
       stats are identical on every worker).
+    tx: the optimizer it wires.
+    mesh: the mesh it runs on.
+    axis_name: the data-parallel mesh axis.
 
   Example:
     ``value_and_grad`` returns one gradient per worker, stacked on a leading
@@ -181,7 +87,7 @@ class DataParallel(NamedTuple):
     >>> loss.shape, grads["w"].shape
     ((), (8, 64, 4))
     >>> dp._fields
-    ('init', 'step', 'update', 'value_and_grad', 'stats')
+    ('init', 'step', 'update', 'value_and_grad', 'stats', 'tx', 'mesh', 'axis_name')
   """
 
   init: Callable[[Any], Any]
@@ -189,6 +95,9 @@ class DataParallel(NamedTuple):
   update: Callable[..., tuple[Any, Any]]
   value_and_grad: Callable[[Callable[..., jax.Array]], Callable[..., tuple[jax.Array, Any]]]
   stats: Callable[[Any], Any]
+  tx: optax.GradientTransformation
+  mesh: jax.sharding.Mesh
+  axis_name: str
 
 
 def data_parallel(
@@ -265,6 +174,7 @@ def data_parallel(
         "axis_name= naming its data-parallel axis."
     )
   per_worker = P(axis_name)
+  replicated, split = jax.NamedSharding(mesh, P()), jax.NamedSharding(mesh, per_worker)
 
   def shard(fn, in_specs, out_specs):
     # check_vma=False: gradients stay local (no implicit psum of the gradient
@@ -274,9 +184,10 @@ def data_parallel(
 
   def init(params):
     with _layout.recording_params() as seen:
-      opt_state = shard(lambda p: add_worker_axis(tx.init(p)), P(), per_worker)(params)
-    refuse_unexchanged_leaves(params, seen)
-    warn_if_not_first(opt_state, params)
+      opt_state = shard(lambda p: add_worker_axis(tx.init(p)), P(), per_worker)(
+          jax.device_put(params, replicated))
+    _dp_checks.refuse_unexchanged_leaves(params, seen)
+    _dp_checks.warn_if_not_first(opt_state, params)
     return opt_state
 
   def update(worker_grads, opt_state, params=None, **extra_args):
@@ -292,7 +203,7 @@ def data_parallel(
 
   def value_and_grad(loss_fn):
     def grad_fn(params, batch, *args):
-      check_batch(batch, mesh.shape[axis_name])
+      _dp_checks.check_batch(batch, mesh.shape[axis_name])
 
       def body(params, batch, *args):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch, *args)
@@ -305,15 +216,11 @@ def data_parallel(
 
   def step(per_worker_step):
     def body(params, opt_state, batch, *args):
-      outputs = per_worker_step(params, drop_worker_axis(opt_state), batch, *args)
-      if not isinstance(outputs, tuple) or len(outputs) < 2:
-        raise TypeError(
-            "A step decorated with data_parallel(...).step must return a tuple "
-            f"(params, opt_state, *aux); {getattr(per_worker_step, '__name__', 'it')} returned "
-            f"{type(outputs).__name__}."
-        )
+      opt_state = drop_worker_axis(opt_state)
+      outputs = per_worker_step(params, opt_state, batch, *args)
+      _dp_checks.check_step_outputs(outputs, params, opt_state, per_worker_step)
       params, opt_state, *aux = outputs
-      return add_worker_axis(opt_state), params, add_worker_axis(tuple(aux))
+      return add_worker_axis(opt_state), params, add_worker_axis(jax.tree.map(jnp.asarray, aux))
 
     # The state leaves first: a donated state buffer is aliased to the first
     # output of its shape, so nothing else may come before it.
@@ -324,6 +231,10 @@ def data_parallel(
           params, opt_state, batch, *args
       )
 
+    checked = []  # the params' copies are compared after the first call
+    differs = jax.jit(shard(functools.partial(
+        jax.tree.map, lambda x: _dp_checks.differs_across(x, axis_name)), P(), P()))
+
     @functools.wraps(per_worker_step)
     def train_step(params, opt_state, batch, *args, **kwargs):
       if kwargs:
@@ -332,8 +243,15 @@ def data_parallel(
             f"(params, opt_state, batch, *args), got keyword(s) {sorted(kwargs)}: pass them "
             "positionally, or close over constants in the step."
         )
-      check_batch(batch, mesh.shape[axis_name])
+      _dp_checks.check_batch(batch, mesh.shape[axis_name])
+      # Placed as the step takes them (no copy where they are already): an
+      # Explicit mesh (jax.make_mesh's default) accepts nothing else.
+      params, batch, args = jax.device_put((params, batch, args), (replicated, split, replicated))
       opt_state, params, aux = state_first(params, opt_state, batch, *args)
+      traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(params))
+      if not checked and not traced:  # under a jit of the user's, nothing to read
+        _dp_checks.refuse_per_worker_params(differs(params))
+        checked.append(True)
       return (params, opt_state, *aux)
 
     train_step.lower = state_first.lower  # e.g. to read the compiled program's collectives
@@ -342,4 +260,4 @@ def data_parallel(
   def stats(opt_state):
     return drop_worker_axis(_stats.get_stats(opt_state))
 
-  return DataParallel(init, step, update, value_and_grad, stats)
+  return DataParallel(init, step, update, value_and_grad, stats, tx, mesh, axis_name)

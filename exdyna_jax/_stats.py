@@ -11,6 +11,17 @@ import numpy as np
 import optax
 
 INT32_MAX = 2**31 - 1
+WORD = 2**31  # a running total is two int32 words: high * WORD + low
+
+
+TOTALS = ("transmitted_total", "overflow_total", "bytes_total")
+
+
+def add_to_total(words: jax.Array, count: jax.Array) -> jax.Array:
+  """``words + count`` for a nonnegative int32 ``count``, carried into the high word."""
+  low = words[..., 1].astype(jnp.uint32) + jnp.asarray(count, jnp.int32).astype(jnp.uint32)
+  high = words[..., 0] + (low >> 31).astype(jnp.int32)
+  return jnp.stack([high, (low & (WORD - 1)).astype(jnp.int32)], axis=-1)
 
 
 class SparsifierStats(NamedTuple):
@@ -58,6 +69,14 @@ class SparsifierStats(NamedTuple):
       A step on another number stops with an error that names
       `exdyna_jax.resize_workers`; it catches a worker axis a restore cut or
       padded to fit (orbax's ``strict=False``), which the shapes cannot show.
+    transmitted_total: ``transmitted`` summed over the completed steps.
+    overflow_total: ``overflow`` summed over the completed steps.
+    bytes_total: ``bytes_sent`` summed over every step, skipped ones included.
+      The three totals let a run's density be read with no sync per step
+      (`read_totals`: ``transmitted / (steps * k)``). Each is exact past the
+      range of int32: an int32 pair ``[..., 2]``, ``(high, low)``, worth
+      ``high * 2**31 + low`` (JAX computes in 32 bits unless x64 is on, and a
+      dense run's bytes pass ``2**31`` within a few steps).
 
   Example:
     The stats of a freshly initialized ExDyna state, on 8 workers simulated
@@ -90,6 +109,43 @@ class SparsifierStats(NamedTuple):
   nonfinite: jax.Array = np.int32(0)
   skipped_steps: jax.Array = np.int32(0)
   num_workers: jax.Array = np.int32(0)
+  transmitted_total: jax.Array = np.zeros(2, np.int32)
+  overflow_total: jax.Array = np.zeros(2, np.int32)
+  bytes_total: jax.Array = np.zeros(2, np.int32)
+
+
+def read_totals(stats: SparsifierStats) -> dict[str, int]:
+  """The run so far, as Python ints, from stats with or without the worker axis.
+
+  Args:
+    stats: `SparsifierStats` (``dp.stats(opt_state)``, or `get_stats` of a
+      state with the worker axis: every worker holds the same totals).
+
+  Returns:
+    ``{"steps", "skipped_steps", "transmitted", "overflow", "bytes_sent"}``:
+    completed and skipped steps, and the totals over them.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, exdyna_jax
+    >>> tx = exdyna_jax.topk(0.01)  # each worker's 40 largest of N = 4096
+    >>> def run(grads):  # three steps on each of 8 workers
+    ...   state = tx.init(grads[0])
+    ...   for g in grads:
+    ...     _, state = tx.update(g, state)
+    ...   return state
+    >>> grads = jax.random.normal(jax.random.key(0), (8, 3, 4096))
+    >>> totals = exdyna_jax.read_totals(jax.vmap(run, axis_name="data")(grads).stats)
+    >>> totals["steps"], 40 <= totals["transmitted"] / totals["steps"] <= 8 * 40  # their union
+    (3, True)
+  """
+  total = lambda words: int(np.ravel(words)[0]) * WORD + int(np.ravel(words)[1])  # noqa: E731
+  return {
+      "steps": int(np.ravel(stats.step)[0]),
+      "skipped_steps": int(np.ravel(stats.skipped_steps)[0]),
+      "transmitted": total(stats.transmitted_total),
+      "overflow": total(stats.overflow_total),
+      "bytes_sent": total(stats.bytes_total),
+  }
 
 
 def initial_stats(
@@ -106,6 +162,7 @@ def initial_stats(
       partition_starts=jnp.asarray(partition_starts, jnp.int32),
       partition_sizes=jnp.asarray(partition_sizes, jnp.int32),
       num_workers=jnp.int32(len(partition_sizes)),
+      **dict.fromkeys(TOTALS, jnp.zeros(2, jnp.int32)),
       **dict.fromkeys(counts, zero),
   )
 
@@ -268,9 +325,7 @@ def get_stats(opt_state: Any) -> SparsifierStats:
     )
   stats = optax.tree.get(opt_state, "stats")
   if isinstance(stats, Mapping) and set(stats) == set(SparsifierStats._fields):
-    # An nnx variable hands out its array with get_value() (a jax.Array has no such method).
-    return SparsifierStats(**{
-        name: leaf.get_value() if hasattr(leaf, "get_value") else leaf
-        for name, leaf in stats.items()
-    })
-  return stats
+    stats = SparsifierStats(**stats)
+  # An nnx variable hands out its array with get_value() (a jax.Array has no such method).
+  return jax.tree.map(lambda leaf: leaf.get_value() if hasattr(leaf, "get_value") else leaf,
+                      stats, is_leaf=lambda leaf: hasattr(leaf, "get_value"))

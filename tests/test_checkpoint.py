@@ -278,3 +278,14 @@ def test_restoring_onto_fewer_workers_names_the_fix(checkpointed):
 if __name__ == "__main__":
   jax.config.update("jax_num_cpu_devices", 8)
   _main(*sys.argv[1:])
+
+
+def test_restoring_without_a_target_names_the_fix(checkpointed):
+  """Orbax without a target gives plain dicts and lists: the first update says how to restore."""
+  directory, _, _ = checkpointed
+  _, step = shard_map_program(NUM_WORKERS)
+  restored = ocp.StandardCheckpointer().restore(directory / "shard_map")
+  x, y = batches()
+  with pytest.raises(TypeError, match=r"is a dict.*restored without a target.*StandardRestore"):
+    step(restored["params"], restored["opt_state"], x[0], y[0])
+  gc.collect()

@@ -339,6 +339,31 @@ def test_a_batch_the_workers_cannot_split_says_what_to_pass(batch, error, match)
     dp.value_and_grad(lambda params, batch: 0.0)(params(), batch)
 
 
+def test_batch_leaves_with_different_numbers_of_rows_are_refused():
+  tx = optax.chain(sparsifier(), optax.sgd(0.1))
+  dp = exdyna_jax.data_parallel(tx, harness.mesh_of(NUM_WORKERS))
+
+  @dp.step
+  def train_step(params, opt_state, batch):
+    return params, opt_state
+
+  batch = (np.ones((8, 3), np.float32), np.ones((4,), np.float32))
+  with pytest.raises(ValueError, match=r"different numbers of rows \(batch\[0\]: 8, batch\[1"):
+    train_step(params(), dp.init(params()), batch)
+
+
+def test_python_numbers_come_back_as_one_per_worker():
+  tx = optax.chain(sparsifier(), optax.sgd(0.1))
+  dp = exdyna_jax.data_parallel(tx, harness.mesh_of(NUM_WORKERS))
+
+  @dp.step
+  def train_step(params, opt_state, batch):
+    return params, opt_state, 1.0, {"count": 3}
+
+  *_, one, count = train_step(params(), dp.init(params()), np.ones((4, 3), np.float32))
+  assert one.tolist() == [1.0] * NUM_WORKERS and count["count"].tolist() == [3] * NUM_WORKERS
+
+
 def test_the_train_step_names_keyword_arguments_it_cannot_take():
   tx = optax.chain(sparsifier(), optax.sgd(0.1))
   dp = exdyna_jax.data_parallel(tx, harness.mesh_of(NUM_WORKERS))
@@ -349,3 +374,62 @@ def test_the_train_step_names_keyword_arguments_it_cannot_take():
 
   with pytest.raises(TypeError, match=r"by position.*\['scale'\]"):
     train_step(params(), dp.init(params()), np.ones((4, 3), np.float32), scale=2.0)
+
+
+def test_params_that_differ_across_workers_are_refused_after_the_first_call():
+  """A step returning each worker's own value through the replicated params slot
+  (BatchNorm statistics not averaged, say) stops at its first call, naming the leaf."""
+  tx = optax.chain(sparsifier(), optax.sgd(0.1))
+  dp = exdyna_jax.data_parallel(tx, harness.mesh_of(NUM_WORKERS))
+
+  @dp.step
+  def train_step(params, opt_state, batch, drift):
+    updates, opt_state = tx.update(jax.tree.map(jnp.ones_like, params), opt_state, params)
+    params = optax.apply_updates(params, updates)
+    worker = jax.lax.axis_index(harness.AXIS)
+    return {**params, "b": params["b"] + drift * worker}, opt_state
+
+  batch = np.ones((NUM_WORKERS, 3), np.float32)
+  same = train_step(params(), dp.init(params()), batch, 0.0)  # checked once: fine
+  assert train_step(*same, batch, 1.0)[0]["b"].shape == params()["b"].shape  # not checked again
+  fresh = dp.step(train_step.__wrapped__)
+  with pytest.raises(ValueError, match=r"different values of params\['b'\].*pmean"):
+    fresh(params(), dp.init(params()), batch, 1.0)
+
+
+def test_an_explicit_mesh_takes_an_unplaced_batch():
+  """jax.make_mesh's default (Explicit axes): the step places params and batch itself."""
+  mesh = jax.make_mesh((NUM_WORKERS,), (harness.AXIS,), devices=jax.devices()[:NUM_WORKERS])
+  tx = optax.chain(sparsifier(), optax.sgd(0.1))
+  dp = exdyna_jax.data_parallel(tx, mesh)
+
+  @dp.step
+  def train_step(params, opt_state, batch):
+    grads = jax.grad(lambda p: jnp.sum((batch @ p["w"]) ** 2))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  state = (params(), dp.init(params()))
+  for _ in range(2):
+    state = train_step(*state, np.ones((2 * NUM_WORKERS, 24), np.float32))
+  assert state[0]["w"].sharding.is_fully_replicated
+
+
+def test_swapped_returns_are_named_when_the_step_is_traced():
+  tx = optax.chain(sparsifier(), optax.sgd(0.1))
+  dp = exdyna_jax.data_parallel(tx, harness.mesh_of(NUM_WORKERS))
+
+  @dp.step
+  def swapped(params, opt_state, batch):
+    updates, opt_state = tx.update(jax.tree.map(jnp.ones_like, params), opt_state, params)
+    return opt_state, optax.apply_updates(params, updates)
+
+  @dp.step
+  def forgot_the_state(params, opt_state, batch):
+    return params, {"loss": jnp.zeros(())}
+
+  batch = np.ones((NUM_WORKERS, 3), np.float32)
+  with pytest.raises(TypeError, match=r"swapped returned \(opt_state, params\)"):
+    swapped(params(), dp.init(params()), batch)
+  with pytest.raises(TypeError, match=r"forgot_the_state returned a first or second output"):
+    forgot_the_state(params(), dp.init(params()), batch)

@@ -88,7 +88,8 @@ def without_guard_fields(state):
   """The state without the fields the guard itself sets (a skipped step sends only its count)."""
   stats = optax.tree.get(state, "stats")
   return optax.tree.set(
-      state, stats=stats._replace(nonfinite=None, skipped_steps=None, bytes_sent=None)
+      state,
+      stats=stats._replace(nonfinite=None, skipped_steps=None, bytes_sent=None, bytes_total=None),
   )
 
 

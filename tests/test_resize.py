@@ -99,6 +99,10 @@ def test_a_state_of_another_optimizer_or_layout_is_refused():
     exdyna_jax.resize_workers(tx, jax.tree.map(lambda x: x[0], state), params, 2)
   with pytest.raises(ValueError, match="positive int"):
     exdyna_jax.resize_workers(tx, state, params, 0)
+  # Another method's tx: it used to convert the state and fail at training (AttributeError).
+  with pytest.raises(ValueError, match=r"state is ErrorFeedbackState; tx\.init makes "
+                                       r"ExDynaState: it was trained with another method"):
+    exdyna_jax.resize_workers(make_tx("exdyna"), state, params, 2)
 
 
 def cut_or_pad(state, target):

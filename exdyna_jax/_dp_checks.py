@@ -1,0 +1,197 @@
+"""What `data_parallel` refuses or warns about in what users hand it.
+
+Each check names the fix. They run outside the compiled step: on the batch
+at every call (`check_batch`, a shape test), on the tree each sparsifier's
+``init`` saw (`refuse_unexchanged_leaves`), on the state ``init`` built
+(`warn_if_not_first`), and on the replicated params after the first call
+(`refuse_per_worker_params`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from exdyna_jax import _stats
+
+
+def check_batch(batch: Any, num_workers: int) -> None:
+  """Raises unless every leaf of ``batch`` has a leading axis the workers can split.
+
+  Raises:
+    TypeError: for a scalar leaf (a Python int, or a list of them).
+    ValueError: for a leading axis not divisible by ``num_workers``, or
+      leaves with different numbers of rows.
+  """
+  leaves = jax.tree.leaves(batch)
+  rows = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
+  if len(rows) <= 1 and all(np.ndim(leaf) and np.shape(leaf)[0] % num_workers == 0
+                            for leaf in leaves):
+    return  # every step: no paths formatted
+  for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    where = f"batch{jax.tree_util.keystr(path)}"
+    if np.ndim(leaf) == 0:
+      raise TypeError(
+          f"{where} is a scalar ({type(leaf).__name__}): every batch leaf is split over the "
+          f"{num_workers} workers along its leading axis, so it must be an array of shape "
+          "[examples, ...] (a Python list of numbers: jnp.asarray it). Pass per-step "
+          "constants after the batch: train_step(params, opt_state, batch, constant)."
+      )
+    if np.shape(leaf)[0] % num_workers:
+      raise ValueError(
+          f"{where} has {np.shape(leaf)[0]} rows, which {num_workers} workers cannot split "
+          f"evenly: make the global batch a multiple of {num_workers}."
+      )
+  sizes = ", ".join(f"batch{jax.tree_util.keystr(path)}: {np.shape(leaf)[0]}"
+                    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0])
+  raise ValueError(
+      f"The batch's leaves have different numbers of rows ({sizes}): each worker takes its "
+      "share of every leaf's rows, so its shares would not match. Give every leaf one row "
+      "per example; pass other arrays after the batch: train_step(params, opt_state, "
+      "batch, extra)."
+  )
+
+
+def check_step_outputs(outputs: Any, params: Any, opt_state: Any, step: Any) -> None:
+  """Raises unless a per-worker step returned ``(params, opt_state, *aux)`` of its inputs' trees.
+
+  Raises:
+    TypeError: for anything but such a tuple; it names a swapped pair.
+  """
+  name = getattr(step, "__name__", "it")
+  if not isinstance(outputs, tuple) or len(outputs) < 2:
+    raise TypeError(
+        "A step decorated with data_parallel(...).step must return a tuple "
+        f"(params, opt_state, *aux); {name} returned {type(outputs).__name__}."
+    )
+  given = jax.tree.structure(params), jax.tree.structure(opt_state)
+  returned = tuple(jax.tree.structure(tree) for tree in outputs[:2])
+  if returned == given:
+    return
+  swapped = returned == given[::-1]
+  raise TypeError(
+      f"{name} returned {'(opt_state, params)' if swapped else 'a first or second output'}"
+      f"{'' if swapped else ' whose tree is not the params or opt_state it was given'}: a "
+      "step decorated with data_parallel(...).step returns (params, opt_state, *aux), with "
+      "the state tx.update returned."
+  )
+
+
+def refuse_unexchanged_leaves(params: Any, seen: list) -> None:
+  """Raises where a parameter's gradient would reach no sparsifier.
+
+  Outside every sparsifier a leaf's gradient stays each worker's own, and
+  the replicated params leaving the step would be worker 0's: a silent
+  wrong answer. ``seen`` holds the params tree each sparsifier's init saw
+  (`_layout.recording_params`): ``optax.MaskedNode`` where ``optax.masked``
+  (or ``optax.multi_transform``) kept a leaf from it.
+
+  Raises:
+    ValueError: if ``tx`` holds no sparsifier, or names the leaves none sees.
+  """
+  if not seen:
+    raise ValueError(
+        "data_parallel(tx, mesh): tx holds no sparsifier, so each worker would train on "
+        "its own gradient and the params leaving the step would be worker 0's. Put one "
+        "first in the chain: optax.chain(exdyna_jax.exdyna(0.001), optax.sgd(0.1)), or "
+        "exdyna_jax.dense() for a plain all-reduce."
+    )
+  is_masked = lambda node: isinstance(node, optax.MaskedNode)  # noqa: E731
+  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  reached = set()
+  for tree in seen:
+    leaves = jax.tree.leaves(tree, is_leaf=is_masked)
+    if len(leaves) != len(paths):
+      return  # a tree of another shape (a hierarchical slice, say): cannot tell
+    reached |= {i for i, leaf in enumerate(leaves) if not is_masked(leaf)}
+  missed = [jax.tree_util.keystr(path) for i, path in enumerate(paths) if i not in reached]
+  if missed:
+    raise ValueError(
+        f"No sparsifier sees the gradient of {', '.join(missed[:5])}"
+        f"{f' and {len(missed) - 5} more' if len(missed) > 5 else ''} (optax.masked or "
+        "multi_transform kept it out): each worker would train it on its own gradient and "
+        "the params leaving the step would be worker 0's. Exchange those leaves densely: "
+        "optax.multi_transform({'sparse': exdyna_jax.exdyna(0.001), 'dense': "
+        "exdyna_jax.dense()}, labels), chained before the optimizer."
+    )
+
+
+def differs_across(x: jax.Array, axis_name: str) -> jax.Array:
+  """Whether the workers' copies of ``x`` differ (almost surely, if any element does).
+
+  Each worker reduces its copy to two float32 sums, compared bit for bit
+  over ``axis_name`` (so NaNs alike on every worker compare equal).
+  """
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  x = x.astype(jnp.float32)
+  bits = jax.lax.bitcast_convert_type(jnp.stack([jnp.sum(x), jnp.sum(x * x)]), jnp.int32)
+  return jnp.any(jax.lax.pmax(bits, axis_name) != jax.lax.pmin(bits, axis_name))
+
+
+def refuse_per_worker_params(differs: Any) -> None:
+  """Raises where the workers' copies of the replicated params slot differ.
+
+  The params leave the step replicated: every device holds a copy, and JAX
+  takes them to be one value. A step that returns something each worker
+  computed for itself (BatchNorm statistics not averaged, a leaf updated
+  outside the optimizer) leaves copies that differ, and which one a later
+  read sees is arbitrary. `data_parallel` runs this after the first call.
+
+  Args:
+    differs: `differs_across` of each params leaf, a tree of bools.
+
+  Raises:
+    ValueError: naming the leaves whose copies differ.
+  """
+  differing = [
+      f"params{jax.tree_util.keystr(path)}"
+      for path, flag in jax.tree_util.tree_flatten_with_path(jax.device_get(differs))[0]
+      if flag
+  ]
+  if differing:
+    raise ValueError(
+        f"After the step, the workers hold different values of {', '.join(differing[:5])}"
+        f"{f' and {len(differing) - 5} more' if len(differing) > 5 else ''}, which leave "
+        "the step replicated: each worker computed its own (BatchNorm statistics not "
+        "averaged, a leaf updated outside the optimizer, a per-worker random draw). "
+        "Average such values in the step (jax.lax.pmean(x, axis_name)), return them as "
+        "an aux output (one per worker), or with Flax NNX use exdyna_jax.nnx_step(dp, "
+        "reduce={nnx.BatchStat: 'mean'})."
+    )
+
+
+def warn_if_not_first(opt_state: Any, params: Any) -> None:
+  """Warns when a transform with per-parameter state comes before the sparsifier.
+
+  Such a transform (momentum, Adam's moments, ...) runs on each worker's
+  local gradient, and the sparsifier then compresses its output instead of
+  the gradient: the chain trains, but not as the method intends. Its state
+  shows it: leaves shaped like a parameter before the sparsifier's state in
+  the chain's state. (A stateless transform before it, such as clipping,
+  leaves no trace; `docs/bad_inputs.md` lists it.)
+
+  Args:
+    opt_state: the state ``init`` returned, with the leading worker axis.
+    params: the parameters it was built for.
+  """
+  param_shapes = {np.shape(leaf) for leaf in jax.tree.leaves(params) if np.size(leaf) > 1}
+  is_sparsifier = lambda node: isinstance(getattr(node, "stats", None), _stats.SparsifierStats)  # noqa: E731
+  for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_sparsifier)[0]:
+    if is_sparsifier(leaf):
+      return
+    if np.shape(leaf)[1:] in param_shapes:
+      warnings.warn(
+          "A transform with per-parameter state (at opt_state"
+          f"{jax.tree_util.keystr(path)}) runs before the sparsifier: it sees each "
+          "worker's local gradient and the sparsifier compresses its output. Put the "
+          "sparsifier first: optax.chain(exdyna_jax.exdyna(...), <the rest>).",
+          UserWarning,
+          stacklevel=3,
+      )
+      return

@@ -1,0 +1,250 @@
+"""Flax NNX across data-parallel steps: `nnx_optimizer` and `nnx_step`.
+
+A Flax NNX training step mutates its objects (the model's parameters and
+BatchNorm statistics, the optimizer, metrics, random streams) under
+``nnx.jit``. `nnx_step` runs such a step, unchanged, on every worker of a
+`data_parallel` mesh and says, per kind of variable, what leaves it:
+
+- ``nnx.Param``, the optimizer's step count and the streams' counts come out
+  replicated (the sparsifier makes every worker's update the same);
+- the optimizer's state (the residual, ...) stays each worker's own, with a
+  leading worker axis outside the step, as `data_parallel`'s ``init`` gives it;
+- random keys are folded with the worker's index inside the step (each worker
+  draws its own Dropout mask) and come out as they went in;
+- anything else the step changes (BatchNorm statistics, metric totals, a
+  variable of your own) differs from worker to worker, so the user says how
+  to combine it: ``"mean"`` (the average) or ``"sum"`` (each worker's change
+  added up: counters and metric totals). A step that changes one without a
+  rule is refused when it is traced.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax import P
+
+from exdyna_jax import _sharding
+
+REDUCTIONS = ("mean", "sum")
+_PER_WORKER, _RNG_KEY, _REPLICATED = "per worker", "rng key", "replicated"
+_REPLICATED_TYPES = (nnx.Param, nnx.OptState, nnx.RngCount)  # identical on every worker
+is_variable = lambda node: isinstance(node, nnx.Variable)  # noqa: E731
+
+
+def nnx_optimizer(dp: _sharding.DataParallel, model: nnx.Module, *, wrt: Any = nnx.Param
+                  ) -> nnx.Optimizer:
+  """An ``nnx.Optimizer`` for ``dp.tx`` whose state holds one slice per worker.
+
+  ``nnx.Optimizer(model, tx, wrt=...)`` cannot hold a sparsifier (its
+  ``init`` runs per worker); this builds the same object with `dp.init`, so
+  each state leaf has a leading worker axis. Step it with `nnx_step`.
+
+  Args:
+    dp: what `data_parallel` returned.
+    model: the model; its ``wrt`` variables are what the optimizer trains.
+    wrt: an ``nnx`` filter, as for ``nnx.Optimizer``.
+
+  Returns:
+    The optimizer; ``optimizer.update(model, grads)`` works inside `nnx_step`,
+    and ``dp.stats(optimizer.opt_state)`` reads the sparsifier's stats.
+
+  Example:
+    >>> import jax, optax, exdyna_jax
+    >>> from flax import nnx
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    >>> dp = exdyna_jax.data_parallel(optax.chain(exdyna_jax.exdyna(0.01), optax.sgd(0.1)), mesh)
+    >>> model = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+    >>> optimizer = exdyna_jax.nnx_optimizer(dp, model, wrt=nnx.Param)
+    >>> optax.tree.get(nnx.as_pure(optimizer.opt_state), "residual").shape  # one per worker
+    (8, 4160)
+  """
+  replicated = jax.NamedSharding(dp.mesh, P())
+  params = jax.device_put(nnx.as_pure(nnx.state(model, wrt)), replicated)
+  optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)
+  optimizer.tx = dp.tx
+  optimizer.opt_state = nnx.data(jax.tree.map(nnx.OptArray, dp.init(params)))
+  return optimizer
+
+
+def check_reduce(reduce: Mapping[type, str]) -> None:
+  """Raises unless ``reduce`` maps ``nnx.Variable`` types to one of `REDUCTIONS`."""
+  for kind, how in reduce.items():
+    if not (isinstance(kind, type) and issubclass(kind, nnx.Variable)):
+      raise TypeError(f"reduce= maps nnx.Variable types (nnx.BatchStat, ...), got key {kind!r}.")
+    if issubclass(kind, (*_REPLICATED_TYPES, nnx.OptState, nnx.RngState)):
+      raise ValueError(
+          f"reduce[{kind.__name__}]: parameters, optimizer state and random streams need no "
+          "rule (the sparsifier's exchange keeps parameters the same on every worker); "
+          "name the types the step changes otherwise, such as nnx.BatchStat."
+      )
+    if how not in REDUCTIONS:
+      raise ValueError(f"reduce[{kind.__name__}] is {how!r}; it must be one of {REDUCTIONS}.")
+
+
+def check_optimizers(objects: tuple, dp: _sharding.DataParallel) -> None:
+  """Refuses an ``nnx.Optimizer`` not built by `nnx_optimizer` for ``dp``."""
+  for path, node in nnx.iter_graph(objects):
+    if isinstance(node, nnx.Optimizer) and node.tx is not dp.tx:
+      raise TypeError(
+          f"The nnx.Optimizer at {'.'.join(map(str, path))} does not step dp.tx: each "
+          "worker would train on its own gradient. Build it with "
+          "exdyna_jax.nnx_optimizer(dp, model, wrt=nnx.Param)."
+      )
+
+
+def leaf_kinds(state: Any, reduce: Mapping[type, str]) -> tuple[tuple[str, str], ...]:
+  """Says, for each array of ``state``, what leaves the step and its path."""
+  kinds = []
+  for path, variable in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]:
+    name = jax.tree_util.keystr(path)
+    if isinstance(variable, (nnx.OptArray, nnx.OptVariable)):
+      kinds.append((_PER_WORKER, name))
+    elif isinstance(variable, nnx.RngKey):
+      kinds.append((_RNG_KEY, name))
+    elif isinstance(variable, _REPLICATED_TYPES):
+      kinds.append((_REPLICATED, name))
+    else:
+      rule = next((how for kind, how in reduce.items() if isinstance(variable, kind)), None)
+      kinds.append((rule or type(variable).__name__, name))
+  return tuple(kinds)
+
+
+def combine(kind: str, name: str, before: jax.Array, after: jax.Array, axis_name: str):
+  """What leaves the step for one array, changed (or not) on each worker."""
+  if kind == _RNG_KEY:
+    return before  # as it came in, unfolded: the stream stays the same on every worker
+  if after is before or kind in (_REPLICATED, _PER_WORKER):
+    return after
+  if kind == "mean":
+    if not jax.numpy.issubdtype(after.dtype, jax.numpy.inexact):
+      raise TypeError(f"reduce='mean' for {name} of dtype {after.dtype}: use 'sum' for counts.")
+    return jax.lax.pmean(after, axis_name)
+  if kind == "sum":
+    return before + jax.lax.psum(after - before, axis_name)
+  raise TypeError(
+      f"The step changes {name}, an nnx.{kind}, which each worker computes from its own "
+      "batch, so the workers' values differ. Say how to combine them: "
+      f"exdyna_jax.nnx_step(dp, reduce={{nnx.{kind}: 'mean'}}) for an average (BatchNorm "
+      "statistics), or 'sum' to add up each worker's change (counters, metric totals)."
+  )
+
+
+def nnx_step(dp: _sharding.DataParallel, *, reduce: Mapping[type, str] | None = None
+             ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """Decorates a Flax NNX training step to run on every worker of ``dp``.
+
+  The step is written as for ``nnx.jit``: it takes NNX objects (the model,
+  an optimizer from `nnx_optimizer`, metrics, ``nnx.Rngs``) and data, and
+  mutates the objects. Every argument that is not an NNX object is split
+  over the workers along its leading axis. The decorated step is jitted
+  (one compilation per graph structure, e.g. per ``model.train()`` /
+  ``model.eval()``), donates the objects' arrays and puts the new ones back
+  into the objects; it returns the step's return value with a leading worker
+  axis on every leaf (one loss per worker, say).
+
+  Args:
+    dp: what `data_parallel` returned.
+    reduce: how the workers' values of a variable type the step changes
+      combine, e.g. ``{nnx.BatchStat: "mean", nnx.metrics.MetricState:
+      "sum"}``; see the module docstring. Parameters, optimizer state and
+      random streams need no rule.
+
+  Returns:
+    A decorator: ``step -> train_step``; ``train_step.lower(*args)`` lowers
+    the program a call with ``args`` runs (to read its collectives, say).
+
+  Raises:
+    TypeError: at the first call, if the step changes a variable with no
+      rule, or an ``nnx.Optimizer`` does not step ``dp.tx``.
+
+  Example:
+    A model with BatchNorm, its statistics averaged over the 8 workers:
+
+    >>> import jax, numpy as np, optax, exdyna_jax
+    >>> from flax import nnx
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    >>> dp = exdyna_jax.data_parallel(optax.chain(exdyna_jax.exdyna(0.05), optax.sgd(0.1)), mesh)
+    >>> rngs = nnx.Rngs(0)
+    >>> model = nnx.Sequential(nnx.Linear(8, 32, rngs=rngs), nnx.BatchNorm(32, rngs=rngs))
+    >>> optimizer = exdyna_jax.nnx_optimizer(dp, model, wrt=nnx.Param)
+    >>> @exdyna_jax.nnx_step(dp, reduce={nnx.BatchStat: "mean"})
+    ... def train_step(model, optimizer, x):
+    ...   loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(model)
+    ...   optimizer.update(model, grads)
+    ...   return loss
+    >>> x = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32)
+    >>> losses = [train_step(model, optimizer, x) for _ in range(3)]
+    >>> losses[-1].shape, int(dp.stats(optimizer.opt_state).step)  # a loss per worker
+    ((8,), 3)
+  """
+  reduce = dict(reduce or {})
+  check_reduce(reduce)
+
+  def decorator(step: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.cache
+    def compiled(graphdef, treedef, kinds, is_object):
+      @dp.step
+      def per_worker(shared, own, data):
+        before = merge_by_kind(shared, own, kinds)
+        worker = jax.lax.axis_index(dp.axis_name)
+        folded = [jax.random.fold_in(a, worker) if kind == _RNG_KEY else a
+                  for a, (kind, _) in zip(before, kinds, strict=True)]
+        objects = nnx.merge(graphdef, jax.tree.unflatten(treedef, folded))
+        by_kind = {True: iter(objects), False: iter(data)}
+        result = step(*(next(by_kind[node]) for node in is_object))
+        after, after_treedef = jax.tree.flatten(nnx.state(objects))
+        if after_treedef != treedef:
+          raise TypeError("The step added or removed nnx variables: create every variable "
+                          "before the first step (the workers' objects must keep one shape).")
+        after = [combine(kind, name, b, a, dp.axis_name)
+                 for a, b, (kind, name) in zip(after, before, kinds, strict=True)]
+        return (*split_by_kind(after, kinds), result)
+
+      return per_worker
+
+    def prepare(args):
+      """``(compiled step, objects, treedef, kinds, its arguments)`` for ``args``."""
+      is_object = tuple(nnx.graph.is_graph_node(arg) for arg in args)
+      objects = tuple(arg for arg, node in zip(args, is_object, strict=True) if node)
+      check_optimizers(objects, dp)
+      graphdef, state = nnx.split(objects)
+      arrays, treedef = jax.tree.flatten(state)
+      kinds = leaf_kinds(state, reduce)
+      data = tuple(arg for arg, node in zip(args, is_object, strict=True) if not node)
+      fn = compiled(graphdef, treedef, kinds, is_object)
+      return fn, objects, treedef, kinds, (*split_by_kind(arrays, kinds), data)
+
+    @functools.wraps(step)
+    def train_step(*args):
+      fn, objects, treedef, kinds, inputs = prepare(args)
+      shared, own, result = fn(*inputs)
+      nnx.update(objects, jax.tree.unflatten(treedef, merge_by_kind(shared, own, kinds)))
+      return result
+
+    def lower(*args):  # e.g. to read the compiled program's collectives
+      fn, *_, inputs = prepare(args)
+      return fn.lower(*inputs)
+
+    train_step.lower = lower
+    return train_step
+
+  return decorator
+
+
+def split_by_kind(arrays: list, kinds: tuple) -> tuple[list, list]:
+  """``(replicated arrays, per-worker arrays)``, each in state order."""
+  own = [kind == _PER_WORKER for kind, _ in kinds]
+  return ([a for a, mine in zip(arrays, own, strict=True) if not mine],
+          [a for a, mine in zip(arrays, own, strict=True) if mine])
+
+
+def merge_by_kind(shared: list, own: list, kinds: tuple) -> list:
+  """The inverse of `split_by_kind`."""
+  shared, own = iter(shared), iter(own)
+  return [next(own) if kind == _PER_WORKER else next(shared) for kind, _ in kinds]
