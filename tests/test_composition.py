@@ -433,3 +433,19 @@ def test_swapped_returns_are_named_when_the_step_is_traced():
     swapped(params(), dp.init(params()), batch)
   with pytest.raises(TypeError, match=r"forgot_the_state returned a first or second output"):
     forgot_the_state(params(), dp.init(params()), batch)
+
+
+def test_a_jit_of_the_users_around_the_train_step_runs():
+  tx = optax.chain(sparsifier(), optax.sgd(0.1))
+  dp = exdyna_jax.data_parallel(tx, harness.mesh_of(NUM_WORKERS))
+
+  @dp.step
+  def train_step(params, opt_state, batch):
+    grads = jax.grad(lambda p: jnp.sum((batch @ p["w"]) ** 2))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  state = (params(), dp.init(params()))
+  for _ in range(2):
+    state = jax.jit(train_step)(*state, np.ones((NUM_WORKERS, 24), np.float32))
+  assert int(dp.stats(state[1]).step) == 2
