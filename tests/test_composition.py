@@ -397,9 +397,8 @@ def test_params_that_differ_across_workers_are_refused_after_the_first_call():
     fresh(params(), dp.init(params()), batch, 1.0)
 
 
-def test_an_explicit_mesh_takes_an_unplaced_batch():
-  """jax.make_mesh's default (Explicit axes): the step places params and batch itself."""
-  mesh = jax.make_mesh((NUM_WORKERS,), (harness.AXIS,), devices=jax.devices()[:NUM_WORKERS])
+def least_squares_step(mesh):
+  """``(dp, train_step)``: a per-worker step of ``sum((batch @ w) ** 2)``, Top-k then SGD."""
   tx = optax.chain(sparsifier(), optax.sgd(0.1))
   dp = exdyna_jax.data_parallel(tx, mesh)
 
@@ -409,6 +408,13 @@ def test_an_explicit_mesh_takes_an_unplaced_batch():
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
+  return dp, train_step
+
+
+def test_an_explicit_mesh_takes_an_unplaced_batch():
+  """jax.make_mesh's default (Explicit axes): the step places params and batch itself."""
+  mesh = jax.make_mesh((NUM_WORKERS,), (harness.AXIS,), devices=jax.devices()[:NUM_WORKERS])
+  dp, train_step = least_squares_step(mesh)
   state = (params(), dp.init(params()))
   for _ in range(2):
     state = train_step(*state, np.ones((2 * NUM_WORKERS, 24), np.float32))
@@ -436,15 +442,7 @@ def test_swapped_returns_are_named_when_the_step_is_traced():
 
 
 def test_a_jit_of_the_users_around_the_train_step_runs():
-  tx = optax.chain(sparsifier(), optax.sgd(0.1))
-  dp = exdyna_jax.data_parallel(tx, harness.mesh_of(NUM_WORKERS))
-
-  @dp.step
-  def train_step(params, opt_state, batch):
-    grads = jax.grad(lambda p: jnp.sum((batch @ p["w"]) ** 2))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
+  dp, train_step = least_squares_step(harness.mesh_of(NUM_WORKERS))
   state = (params(), dp.init(params()))
   for _ in range(2):
     state = jax.jit(train_step)(*state, np.ones((NUM_WORKERS, 24), np.float32))
