@@ -27,7 +27,6 @@ from typing import Any
 import jax
 import optax
 from flax import nnx
-from jax import P
 
 from exdyna_jax import _sharding
 
@@ -64,11 +63,10 @@ def nnx_optimizer(dp: _sharding.DataParallel, model: nnx.Module, *, wrt: Any = n
     >>> optax.tree.get(nnx.as_pure(optimizer.opt_state), "residual").shape  # one per worker
     (8, 4160)
   """
-  replicated = jax.NamedSharding(dp.mesh, P())
-  params = jax.device_put(nnx.as_pure(nnx.state(model, wrt)), replicated)
   optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)
   optimizer.tx = dp.tx
-  optimizer.opt_state = nnx.data(jax.tree.map(nnx.OptArray, dp.init(params)))
+  opt_state = dp.init(nnx.as_pure(nnx.state(model, wrt)))  # it places the params itself
+  optimizer.opt_state = nnx.data(jax.tree.map(nnx.OptArray, opt_state))
   return optimizer
 
 
@@ -196,6 +194,7 @@ def nnx_step(dp: _sharding.DataParallel, *, reduce: Mapping[type, str] | None = 
         folded = [jax.random.fold_in(a, worker) if kind == _RNG_KEY else a
                   for a, (kind, _) in zip(before, kinds, strict=True)]
         objects = nnx.merge(graphdef, jax.tree.unflatten(treedef, folded))
+        check_optimizers(objects, dp)  # when traced: once per graph structure
         by_kind = {True: iter(objects), False: iter(data)}
         result = step(*(next(by_kind[node]) for node in is_object))
         after, after_treedef = jax.tree.flatten(nnx.state(objects))
@@ -212,7 +211,6 @@ def nnx_step(dp: _sharding.DataParallel, *, reduce: Mapping[type, str] | None = 
       """``(compiled step, objects, treedef, kinds, its arguments)`` for ``args``."""
       is_object = tuple(nnx.graph.is_graph_node(arg) for arg in args)
       objects = tuple(arg for arg, node in zip(args, is_object, strict=True) if node)
-      check_optimizers(objects, dp)
       graphdef, state = nnx.split(objects)
       arrays, treedef = jax.tree.flatten(state)
       kinds = leaf_kinds(state, reduce)

@@ -138,11 +138,8 @@ def _resize(new: Any, old: Any, num_workers: int) -> Any:
     carried["block_workloads"] = jnp.broadcast_to(
         old.block_workloads[0], new.block_workloads.shape
     )
-  stats = new.stats._replace(
-      step=jnp.broadcast_to(old.stats.step[0], new.stats.step.shape),
-      threshold=jnp.broadcast_to(old.stats.threshold[0], new.stats.threshold.shape),
-      skipped_steps=jnp.broadcast_to(old.stats.skipped_steps[0], new.stats.skipped_steps.shape),
-      **{name: jnp.broadcast_to(getattr(old.stats, name)[0], getattr(new.stats, name).shape)
-         for name in _stats.TOTALS},
-  )
+  stats = new.stats._replace(**{
+      name: jnp.broadcast_to(getattr(old.stats, name)[0], getattr(new.stats, name).shape)
+      for name in ("step", "threshold", "skipped_steps", *_stats.TOTALS)
+  })
   return new._replace(stats=stats, **carried)

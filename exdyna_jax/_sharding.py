@@ -248,8 +248,8 @@ def data_parallel(
       # Explicit mesh (jax.make_mesh's default) accepts nothing else.
       params, batch, args = jax.device_put((params, batch, args), (replicated, split, replicated))
       opt_state, params, aux = state_first(params, opt_state, batch, *args)
-      traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(params))
-      if not checked and not traced:  # under a jit of the user's, nothing to read
+      if not checked and not any(  # under a jit of the user's, nothing to read
+          isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(params)):
         _dp_checks.refuse_per_worker_params(differs(params))
         checked.append(True)
       return (params, opt_state, *aux)

@@ -12,8 +12,6 @@ import optax
 
 INT32_MAX = 2**31 - 1
 WORD = 2**31  # a running total is two int32 words: high * WORD + low
-
-
 TOTALS = ("transmitted_total", "overflow_total", "bytes_total")
 
 
