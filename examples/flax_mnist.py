@@ -65,15 +65,6 @@ def loss_fn(model: CNN, rngs: nnx.Rngs, batch):
   return loss, logits
 
 
-def load_images() -> tuple[dict, dict]:
-  """The digits as 28x28x1 images in ``[0, 1]``, train and test."""
-  split = data.load_digits_split()
-  as_images = lambda x: np.asarray(jax.image.resize(  # noqa: E731
-      x.reshape(-1, 8, 8, 1), (len(x), 28, 28, 1), "bilinear"))
-  return ({"image": as_images(split.x_train), "label": split.y_train},
-          {"image": as_images(split.x_test), "label": split.y_test})
-
-
 def train(args: argparse.Namespace) -> dict[str, float]:
   """Trains the CNN for ``args.steps`` steps; returns the last metrics."""
   mesh = jax.make_mesh((jax.device_count(),), ("data",),  # data parallel
@@ -100,7 +91,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     loss, logits = loss_fn(model, rngs, batch)
     metrics.update(loss=loss, logits=logits, labels=batch["label"])
 
-  train_ds, test_ds = load_images()
+  train_ds, test_ds = data.digit_images()
   order = np.random.default_rng(args.seed)
   history = {}
   for step in range(1, args.steps + 1):

@@ -15,6 +15,7 @@ from exdyna_jax._sharding import DataParallel, data_parallel
 from exdyna_jax._spardl import SparDLRounds, SparDLState, spardl
 from exdyna_jax._stats import SparsifierStats, get_stats, read_totals
 from exdyna_jax._topk import topk
+from exdyna_jax._train_state import create_train_state, train_state_step
 
 __all__ = [
     "DataParallel",
@@ -26,6 +27,7 @@ __all__ = [
     "SparsifierStats",
     "available_sparsifiers",
     "cltk",
+    "create_train_state",
     "data_parallel",
     "dense",
     "dgc_warmup",
@@ -41,6 +43,7 @@ __all__ = [
     "resize_workers",
     "spardl",
     "topk",
+    "train_state_step",
 ]
 
 __version__ = "0.2.0"

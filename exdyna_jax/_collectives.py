@@ -3,7 +3,8 @@
 Helpers every sparsifier uses to talk across workers: the axis size with an
 error that says how to bind it, the varying-axes checks of
 ``jax.shard_map(check_vma=True)``, an all-gather whose result is typed
-invariant where the context allows, a broadcast as one integer ``psum``, bit
+invariant where the context allows, a broadcast as one integer ``psum``, the user's
+rule for combining state a step changes on every worker, bit
 casts that let a float ride on an integer collective, and the bytes a ring
 collective sends per worker (the model `SparsifierStats.bytes_sent` uses).
 """
@@ -60,7 +61,9 @@ def axis_size(axis_name: str, *, unbound_message: str | None = None) -> int:
         "per worker: call them inside jax.shard_map (mesh axis "
         f"{axis_name!r}), jax.pmap(..., axis_name={axis_name!r}) or "
         f"jax.vmap(..., axis_name={axis_name!r}, axis_size=n); with plain jax.jit "
-        "use exdyna_jax.data_parallel(). Or pass axis_name= to match your mesh."
+        "use exdyna_jax.data_parallel(), and build a flax TrainState or nnx.Optimizer "
+        "with exdyna_jax.create_train_state or exdyna_jax.nnx_optimizer. Or pass "
+        "axis_name= to match your mesh."
     ) from None
 
 
@@ -170,6 +173,28 @@ def concatenate_ragged(
   # Written as x + 1 so that the zeros of the other workers mean "empty".
   mine = jnp.zeros((slots,), jnp.int32).at[at].set(x + 1, mode="drop")
   return jax.lax.psum(mine, axis_name) - 1, offsets
+
+
+REDUCTIONS = ("mean", "sum")
+
+
+def combine_workers(how: str, before: jax.Array, after: jax.Array, axis_name: str, *,
+                    name: str) -> jax.Array:
+  """One value from every worker's ``after``, by the user's rule ``how``.
+
+  For state a step changes outside the optimizer (BatchNorm statistics, metric
+  totals), which each worker computes from its own batch: ``"mean"`` averages
+  the workers' values; ``"sum"`` adds each worker's change to ``before``
+  (counts, totals), so a counter counts every worker's examples once.
+
+  Raises:
+    TypeError: for ``"mean"`` of integers (``name`` says which value).
+  """
+  if how == "mean":
+    if not jnp.issubdtype(after.dtype, jnp.inexact):
+      raise TypeError(f"reduce='mean' for {name} of dtype {after.dtype}: use 'sum' for counts.")
+    return jax.lax.pmean(after, axis_name)
+  return before + jax.lax.psum(after - before, axis_name)
 
 
 def ring_all_gather_bytes(num_workers: int, message_bytes: int) -> int:

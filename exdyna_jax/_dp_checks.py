@@ -161,8 +161,9 @@ def refuse_per_worker_params(differs: Any) -> None:
         "the step replicated: each worker computed its own (BatchNorm statistics not "
         "averaged, a leaf updated outside the optimizer, a per-worker random draw). "
         "Average such values in the step (jax.lax.pmean(x, axis_name)), return them as "
-        "an aux output (one per worker), or with Flax NNX use exdyna_jax.nnx_step(dp, "
-        "reduce={nnx.BatchStat: 'mean'})."
+        "an aux output (one per worker), or let a rule do it: exdyna_jax.nnx_step(dp, "
+        "reduce={nnx.BatchStat: 'mean'}) with Flax NNX, exdyna_jax.train_state_step(dp, "
+        "reduce={'batch_stats': 'mean'}) with a flax TrainState."
     )
 
 

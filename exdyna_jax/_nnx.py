@@ -28,9 +28,8 @@ import jax
 import optax
 from flax import nnx
 
-from exdyna_jax import _sharding
+from exdyna_jax import _collectives, _sharding
 
-REDUCTIONS = ("mean", "sum")
 _PER_WORKER, _RNG_KEY, _REPLICATED = "per worker", "rng key", "replicated"
 _REPLICATED_TYPES = (nnx.Param, nnx.OptState, nnx.RngCount)  # identical on every worker
 is_variable = lambda node: isinstance(node, nnx.Variable)  # noqa: E731
@@ -71,7 +70,7 @@ def nnx_optimizer(dp: _sharding.DataParallel, model: nnx.Module, *, wrt: Any = n
 
 
 def check_reduce(reduce: Mapping[type, str]) -> None:
-  """Raises unless ``reduce`` maps ``nnx.Variable`` types to one of `REDUCTIONS`."""
+  """Raises unless ``reduce`` maps ``nnx.Variable`` types to one of `_collectives.REDUCTIONS`."""
   for kind, how in reduce.items():
     if not (isinstance(kind, type) and issubclass(kind, nnx.Variable)):
       raise TypeError(f"reduce= maps nnx.Variable types (nnx.BatchStat, ...), got key {kind!r}.")
@@ -81,8 +80,9 @@ def check_reduce(reduce: Mapping[type, str]) -> None:
           "rule (the sparsifier's exchange keeps parameters the same on every worker); "
           "name the types the step changes otherwise, such as nnx.BatchStat."
       )
-    if how not in REDUCTIONS:
-      raise ValueError(f"reduce[{kind.__name__}] is {how!r}; it must be one of {REDUCTIONS}.")
+    if how not in _collectives.REDUCTIONS:
+      raise ValueError(
+          f"reduce[{kind.__name__}] is {how!r}; it must be one of {_collectives.REDUCTIONS}.")
 
 
 def check_optimizers(objects: tuple, dp: _sharding.DataParallel) -> None:
@@ -119,12 +119,8 @@ def combine(kind: str, name: str, before: jax.Array, after: jax.Array, axis_name
     return before  # as it came in, unfolded: the stream stays the same on every worker
   if after is before or kind in (_REPLICATED, _PER_WORKER):
     return after
-  if kind == "mean":
-    if not jax.numpy.issubdtype(after.dtype, jax.numpy.inexact):
-      raise TypeError(f"reduce='mean' for {name} of dtype {after.dtype}: use 'sum' for counts.")
-    return jax.lax.pmean(after, axis_name)
-  if kind == "sum":
-    return before + jax.lax.psum(after - before, axis_name)
+  if kind in _collectives.REDUCTIONS:
+    return _collectives.combine_workers(kind, before, after, axis_name, name=name)
   raise TypeError(
       f"The step changes {name}, an nnx.{kind}, which each worker computes from its own "
       "batch, so the workers' values differ. Say how to combine them: "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -151,3 +152,31 @@ def test_python_dash_m_entry_point():
       capture_output=True, text=True, timeout=60, check=True,
   )
   assert "exdyna-jax demo" in result.stdout
+
+
+def test_plots_show_each_partitions_share_and_the_bytes_against_dense():
+  """partitions.png: size over N/n per partition and step (a heat map) and its median;
+  bytes.png: a bar per method at its mean bytes, the compiled count marked, 1/x of dense."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  sizes = [[10, 30, 40, 20], [20, 20, 40, 20], [10, 10, 60, 20]]
+  run = SimpleNamespace(method="exdyna", hlo_bytes=1200,
+                        records=[{"step": s + 1, "partition_sizes": z, "bytes_sent": 1000 + s}
+                                 for s, z in enumerate(sizes)])
+  fig, (ax_map, ax_median) = plt.subplots(1, 2)
+  report.plot_partition_shares(fig, ax_map, ax_median, run)
+  shares = ax_map.get_images()[0].get_array()
+  assert shares.shape == (4, 3)  # a row per partition, a column per step
+  assert shares[2].tolist() == [40 * 4 / 100, 40 * 4 / 100, 60 * 4 / 100]
+  assert [bar.get_width() for bar in ax_median.patches] == [0.4, 0.8, 1.6, 0.8]
+  dense = SimpleNamespace(method="dense", hlo_bytes=50_000,
+                          records=[{"bytes_sent": 50_000}] * 3)
+  fig, ax = plt.subplots()
+  report.plot_bytes(ax, [dense, run])
+  assert sorted(bar.get_width() for bar in ax.patches) == [1001.0, 50_000.0]
+  labels = [text.get_text() for text in ax.texts]
+  assert any("1/50 of dense" in label for label in labels), labels
+  plt.close("all")

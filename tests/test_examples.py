@@ -66,15 +66,16 @@ def test_quickstart_example(monkeypatch, capsys):
   assert "8 workers, 85002 parameters, density 0.01: test accuracy" in printed[-1]
 
 
-def test_flax_mnist_port(capsys):
-  """Flax NNX's MNIST CNN (BatchNorm, Dropout, nnx.Optimizer, MultiMetric) on 8 workers,
-  ported in at most 15 marked lines; it learns and sends the density asked for."""
-  history = load_example("flax_mnist").main(
-      ["--steps", "12", "--eval-every", "6", "--batch-size", "32"])
+@pytest.mark.parametrize("name", ["flax_mnist", "linen_mnist"])
+def test_flax_mnist_ports(name, capsys):
+  """Flax's MNIST CNN (BatchNorm, Dropout; NNX with nnx.Optimizer and MultiMetric, linen with
+  a TrainState) on 8 workers, ported in at most 15 marked lines; it learns and sends the
+  density asked for."""
+  history = load_example(name).main(["--steps", "12", "--eval-every", "6", "--batch-size", "32"])
   printed = capsys.readouterr().out
   assert "step   12" in printed and "8 workers, density sent" in printed
-  assert history["test_accuracy"] > 0.25  # chance is 0.1 (0.39 when written)
-  assert history["train_loss"] < 2.0  # log(10) = 2.3 at the start (1.47 when written)
+  assert history["test_accuracy"] > 0.2  # chance is 0.1 (0.39 NNX, 0.30 linen when written)
+  assert history["train_loss"] < 2.0  # log(10) = 2.3 at the start (1.47, 1.40 when written)
   assert 0.005 < history["density_sent"] <= 0.0105  # d = 0.01
-  wiring = (EXAMPLES / "flax_mnist.py").read_text().count("# data parallel")
+  wiring = (EXAMPLES / f"{name}.py").read_text().count("# data parallel")
   assert wiring <= 15, wiring

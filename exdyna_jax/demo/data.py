@@ -1,7 +1,7 @@
 """Real data that ships with installed packages: nothing is downloaded.
 
 - `load_digits_split`: scikit-learn's bundled 8x8 handwritten digits
-  (1,797 images, 10 classes).
+  (1,797 images, 10 classes); `digit_images` upsamples them to MNIST's 28x28.
 - `char_corpus`: English text that ships with Python itself (the help topics
   of ``pydoc_data``, falling back to the docstrings of standard modules),
   encoded as bytes for a character-level language model.
@@ -62,6 +62,22 @@ def load_digits_split(test_fraction: float = 0.2, seed: int = 0) -> Split:
       x, y, test_size=test_fraction, random_state=seed, stratify=y
   )
   return Split(x_train, y_train, x_test, y_test, 10)
+
+
+def digit_images() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+  """The digits as MNIST-sized images for a CNN: ``({"image", "label"}, ...)``, train and test.
+
+  Returns:
+    Train and test dicts: ``image`` float32 ``[n, 28, 28, 1]`` in ``[0, 1]``
+    (the 8x8 digits upsampled bilinearly), ``label`` int32 ``[n]``.
+  """
+  import jax
+
+  split = load_digits_split()
+  as_images = lambda x: np.asarray(jax.image.resize(  # noqa: E731
+      x.reshape(-1, 8, 8, 1), (len(x), 28, 28, 1), "bilinear"))
+  return ({"image": as_images(split.x_train), "label": split.y_train},
+          {"image": as_images(split.x_test), "label": split.y_test})
 
 
 def _stdlib_text() -> str:

@@ -141,9 +141,10 @@ def plot_runs(runs: Sequence[MethodRun], metric: str, out_dir: pathlib.Path) -> 
 
   - ``loss.png``: training loss and the held-out metric vs step, per method.
   - ``density_threshold.png``: achieved density and threshold vs step.
-  - ``partitions.png``: partition boundaries over time (methods with
-    partitions, e.g. ExDyna's rebalancing).
-  - ``bytes.png``: bytes per worker per step (stats per step, HLO dashed).
+  - ``partitions.png``: each partition's size over the steps as a heat map,
+    and its median (methods with partitions, e.g. ExDyna's rebalancing).
+  - ``bytes.png``: the bytes one worker sends per step, a bar per method,
+    with the compiled program's count marked and the ratio to dense.
 
   Args:
     runs: the `MethodRun` of each method.
@@ -199,29 +200,65 @@ def plot_runs(runs: Sequence[MethodRun], metric: str, out_dir: pathlib.Path) -> 
 
   partitioned = [run for run in runs if len(set(run.records[-1]["partition_starts"])) > 1]
   if partitioned:
-    fig, axes = plt.subplots(1, len(partitioned), figsize=(5.5 * len(partitioned), 4),
-                             squeeze=False)
-    for ax, run in zip(axes[0], partitioned, strict=True):
-      steps = [r["step"] for r in run.records]
-      total = sum(run.records[0]["partition_sizes"])
-      num_partitions = len(run.records[0]["partition_starts"])
-      for p in range(1, num_partitions):
-        ax.plot(steps, [r["partition_starts"][p] / total for r in run.records], lw=1)
-      ax.set(xlabel="step", ylabel="boundary (fraction of the gradient)", ylim=(0, 1),
-             title=f"{run.method}: partition boundaries")
+    fig, axes = plt.subplots(len(partitioned), 2, figsize=(11, 3 * len(partitioned)),
+                             squeeze=False, gridspec_kw={"width_ratios": (4, 1)})
+    for (ax_map, ax_median), run in zip(axes, partitioned, strict=True):
+      plot_partition_shares(fig, ax_map, ax_median, run)
     save(fig, "partitions.png")
 
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for i, run in enumerate(runs):
-    color = f"C{i}"
-    steps = [r["step"] for r in run.records]
-    ax.plot(steps, [r["bytes_sent"] for r in run.records], color=color, lw=1,
-            label=f"{run.method} (stats)")
-    ax.axhline(run.hlo_bytes, color=color, ls="--", lw=1, label=f"{run.method} (HLO)")
-  ax.set(xlabel="step", ylabel="bytes sent per worker", yscale="log", title="traffic per step")
-  ax.legend(fontsize=8)
+  fig, ax = plt.subplots(figsize=(7, 0.6 * len(runs) + 1.4))
+  plot_bytes(ax, runs)
   save(fig, "bytes.png")
   return written
+
+
+def plot_partition_shares(fig, ax_map, ax_median, run: MethodRun) -> None:
+  """Each partition's size over ``N / n`` (its equal share): a heat map by step, and the median.
+
+  ExDyna moves every boundary each step, so lines of boundaries read as
+  noise; the heat map shows which partitions stay small (dense gradients)
+  and which grow, and the bars what each settles to.
+  """
+  from matplotlib.colors import LogNorm
+
+  sizes = np.array([r["partition_sizes"] for r in run.records], dtype=float)
+  num_partitions = sizes.shape[1]
+  shares = sizes * num_partitions / sizes.sum(axis=1, keepdims=True)
+  steps = [r["step"] for r in run.records]
+  spread = int(np.clip(np.ceil(np.max(np.abs(np.log2(np.clip(shares, 2 ** -10, None))))), 1, 10))
+  image = ax_map.imshow(np.clip(shares, 2.0 ** -spread, 2.0 ** spread).T, aspect="auto",
+                        origin="lower", cmap="RdBu_r", interpolation="nearest",
+                        norm=LogNorm(2.0 ** -spread, 2.0 ** spread),
+                        extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, num_partitions - 0.5))
+  ax_map.set(xlabel="step", ylabel="partition (worker)",
+             title=f"{run.method}: partition size / equal share (N/n)")
+  ticks = [2.0 ** e for e in range(-spread, spread + 1)]
+  colorbar = fig.colorbar(image, ax=ax_map, pad=0.01, ticks=ticks)
+  colorbar.ax.set_yticklabels([f"{t:g}" if t >= 1 else f"1/{1 / t:g}" for t in ticks])
+  colorbar.ax.minorticks_off()
+  median = np.median(shares, axis=0)
+  ax_median.barh(np.arange(num_partitions), median, color="0.5")
+  ax_median.axvline(1.0, color="k", lw=1, ls="--")
+  ax_median.set(xlim=(0, max(2.0, float(median.max()) * 1.1)), ylim=(-0.5, num_partitions - 0.5),
+                yticks=[], xlabel="median share", title="over the run")
+
+
+def plot_bytes(ax, runs: Sequence[MethodRun]) -> None:
+  """A bar per method: mean bytes one worker sends per step, the HLO count marked, vs dense."""
+  means = [float(np.mean([r["bytes_sent"] for r in run.records])) for run in runs]
+  dense = next((mean for run, mean in zip(runs, means, strict=True) if run.method == "dense"),
+               None)
+  rows = np.arange(len(runs))[::-1]
+  ax.barh(rows, means, color=[f"C{i}" for i in range(len(runs))], height=0.6)
+  ax.scatter([run.hlo_bytes for run in runs], rows, marker="|", s=300, color="k",
+             label="compiled program (HLO)", zorder=3)
+  for row, run, mean in zip(rows, runs, means, strict=True):
+    ratio = f"  1/{dense / mean:.0f} of dense" if dense and run.method != "dense" else ""
+    ax.annotate(f" {format_bytes(mean)}{ratio}", (mean, row), va="center", fontsize=9)
+  ax.set(xscale="log", yticks=rows, yticklabels=[run.method for run in runs],
+         xlim=(min(means) / 3, max(means) * 30), xlabel="bytes per worker per step",
+         title="what one worker sends per step (the library's count, mean)")
+  ax.legend(fontsize=8, loc="lower right")
 
 
 def align(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
