@@ -50,8 +50,6 @@ References:
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
@@ -63,20 +61,6 @@ SMOOTHING = 0.1  # weight of the newest observation in block_workloads, once war
 SCALE_RISE = 0.3  # step of log(worker_scales) towards an observation above it ...
 SCALE_FALL = 0.05  # ... and towards one below it
 UNIFORM_PRIOR = 0.01  # share of block_workloads kept proportional to block length
-
-
-class BalanceEstimate(NamedTuple):
-  """What the balanced partitioner has learned (identical on every worker).
-
-  Attributes:
-    block_workloads: float32 ``[B]`` smoothed share of the selections in each
-      block, for a worker of scale 1 (sums to 1).
-    worker_scales: float32 ``[n]`` each worker's selections relative to the
-      estimate (geometric mean 1).
-  """
-
-  block_workloads: jax.Array
-  worker_scales: jax.Array
 
 
 def default_num_blocks(num_elements: int, num_workers: int) -> int:
@@ -149,9 +133,9 @@ def block_lengths(geometry: _partition.BlockGeometry) -> jax.Array:
   return lengths.at[-1].add(geometry.remainder)
 
 
-def initial_estimate(geometry: _partition.BlockGeometry) -> BalanceEstimate:
+def initial_estimate(geometry: _partition.BlockGeometry) -> _partition.PartitionEstimate:
   """Selections spread evenly over the elements; every worker of scale 1."""
-  return BalanceEstimate(
+  return _partition.PartitionEstimate(
       block_workloads=block_lengths(geometry) / geometry.num_elements,
       worker_scales=jnp.ones((geometry.num_workers,), jnp.float32),
   )
@@ -171,7 +155,11 @@ def _boundaries(sizes: jax.Array) -> jax.Array:
 
 
 def cut(
-    estimate: BalanceEstimate, geometry: _partition.BlockGeometry, step: jax.Array
+    estimate: _partition.PartitionEstimate,
+    geometry: _partition.BlockGeometry,
+    sizes: jax.Array,
+    workloads: jax.Array,
+    step: jax.Array,
 ) -> jax.Array:
   """Partition sizes for ``step``: equal expected selections for each partition's owner.
 
@@ -182,13 +170,16 @@ def cut(
   keeps at least one block.
 
   Args:
-    estimate: the `BalanceEstimate`.
+    estimate: the `_partition.PartitionEstimate`.
     geometry: the block layout.
+    sizes: the last step's sizes (unused: the cut reads only the estimate).
+    workloads: the last step's workloads (unused, as ``sizes``).
     step: int32 the step the partitions are for.
 
   Returns:
     int32 ``[n]`` blocks per partition (sum ``B``).
   """
+  del sizes, workloads
   num_workers, num_blocks = geometry.num_workers, geometry.num_blocks
   owners = (jnp.arange(num_workers) - step) % num_workers
   share = 1.0 / estimate.worker_scales[owners]
@@ -212,18 +203,18 @@ def cut(
 
 
 def observe(
-    estimate: BalanceEstimate,
+    estimate: _partition.PartitionEstimate,
     geometry: _partition.BlockGeometry,
     *,
     sizes: jax.Array,
     step: jax.Array,
     gathered_indices: jax.Array,
     passed: jax.Array,
-) -> BalanceEstimate:
+) -> _partition.PartitionEstimate:
   """Updates the estimate with what step ``t`` selected (the same on every worker).
 
   Args:
-    estimate: the `BalanceEstimate` the step's partitions were cut from.
+    estimate: the `_partition.PartitionEstimate` the step's partitions were cut from.
     geometry: the block layout.
     sizes: int32 ``[n]`` blocks per partition at the step.
     step: int32 ``t``.
@@ -233,7 +224,7 @@ def observe(
       before the capacity limit (0 when only the fallback index was sent).
 
   Returns:
-    The new `BalanceEstimate`.
+    The new `_partition.PartitionEstimate`.
   """
   num_workers, num_blocks = geometry.num_workers, geometry.num_blocks
   num_elements = geometry.num_elements
@@ -280,7 +271,10 @@ def observe(
   weight = jnp.maximum(1.0 / (step.astype(jnp.float32) + 1.0), SMOOTHING)
   weight = jnp.where(observed_total > 0, weight, 0.0)
   workloads = (1 - weight) * estimate.block_workloads + weight * fresh
-  return BalanceEstimate(
+  return _partition.PartitionEstimate(
       block_workloads=workloads / jnp.sum(workloads),
       worker_scales=jnp.exp(jnp.where(total > 0, log_scales, jnp.log(estimate.worker_scales))),
   )
+
+
+BALANCED = _partition.Partitioner("balanced", balanced_geometry, initial_estimate, cut, observe)

@@ -98,7 +98,7 @@ def cltk(
     index_bytes = (k + 1) * _collectives.INDEX_BYTES
     value_bytes = k * value_dtype.itemsize
     new_stats = _stats.unpartitioned_stats(
-        step=stats.step + 1,
+        stats,
         threshold=_collectives.bits_float(chosen[k]),
         selected=jnp.int32(k),
         transmitted=jnp.int32(k),

@@ -78,7 +78,7 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
     mean = jax.tree.map(lambda s, g: (s / num_workers).astype(g.dtype), total, updates)
     count = jnp.int32(layout.num_elements)
     stats = _stats.unpartitioned_stats(
-        step=state.stats.step + 1,
+        state.stats,
         threshold=jnp.zeros((), jnp.float32),
         selected=count,
         transmitted=count,

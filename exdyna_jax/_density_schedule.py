@@ -205,7 +205,6 @@ def scheduled_step(
       mean = jax.lax.psum(accumulated, axis_name) / num_workers
       count = jnp.int32(num_elements)
       stats = state.stats._replace(
-          step=state.stats.step + 1,
           selected=count,
           transmitted=count,
           overflow=jnp.zeros((), jnp.int32),

@@ -117,11 +117,14 @@ class Exchanged(NamedTuple):
     gathered_indices: int32 ``[n, C]`` every worker's index buffer as it
       arrived (with a `Spill`, less what found no slot).
     gathered_info: int32 ``[n, S]`` every worker's side information.
+    bytes_sent: static bytes one worker sent (`exchange_bytes` of what
+      `exchange` sent): what ``stats.bytes_sent`` reports for it.
   """
 
   sparse: SparseUpdate
   gathered_indices: jax.Array
   gathered_info: jax.Array
+  bytes_sent: int
 
 
 class Spill(NamedTuple):
@@ -315,7 +318,11 @@ def exchange(
   if value_slots is not None:
     reduced = compact(gathered_indices, value_slots, accumulated.shape[0])
   sparse = aggregate_at(accumulated, reduced, axis_name, value_dtype)
-  return Exchanged(sparse, gathered_indices, gathered_info)
+  bytes_sent = exchange_bytes(
+      gathered_indices.shape[0], indices.shape[0], side_info.shape[0], value_slots,
+      jnp.dtype(value_dtype).itemsize, spill,
+  )
+  return Exchanged(sparse, gathered_indices, gathered_info, bytes_sent)
 
 
 def distinct_count(indices: jax.Array, num_elements: int) -> jax.Array:

@@ -1,6 +1,7 @@
 """ExDyna: exclusive, rebalanced block partitions and one steered threshold.
 
-The step, top to bottom (`_partitioned_transform`, shared with MiCRO):
+The step, top to bottom (`_exdyna_step.partitioned_step`, shared with MiCRO
+through a `_partition.Partitioner` value):
 
 1. accumulate: ``a = g + m`` (the error-feedback shell, `_feedback`);
 2. partitions: cut this step's partitions (balanced: from the workload
@@ -18,93 +19,25 @@ The step, top to bottom (`_partitioned_transform`, shared with MiCRO):
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
-import jax
 import jax.numpy as jnp
 import optax
 
 from exdyna_jax import (
   _balance,
   _density_schedule,
-  _exchange,
   _feedback,
   _options,
   _partition,
-  _selection,
   _stats,
   _threshold,
 )
+from exdyna_jax._exdyna_step import ExDynaState, partitioned_step, plan_step
 
-PARTITIONERS = ("balanced", "reference")
-
-class ExDynaState(NamedTuple):
-  """Optimizer state of `exdyna` and `micro` (per worker).
-
-  Everything but ``residual`` is identical on every worker.
-
-  Attributes:
-    residual: float32 ``[N]`` error-feedback memory of this worker: what it
-      accumulated and has not yet had transmitted.
-    threshold: float32 the threshold of the last step (before the first: the
-      one the first step starts from).
-    partition_sizes: int32 ``[n]`` blocks (MiCRO: elements) per partition at
-      the last step; partition ``p`` starts where ``p - 1`` ends.
-    partition_workloads: int32 ``[n]`` elements of each partition that
-      passed the threshold at the last step, before the capacity limit (1
-      where only the fallback index was sent): the published rules' input.
-    block_workloads: float32 ``[B]`` the balanced partitioner's smoothed
-      share of the selections in each block (empty for the other
-      partitioners).
-    worker_scales: float32 ``[n]`` the balanced partitioner's estimate of
-      how much more each worker selects than the block estimate predicts
-      (empty for the other partitioners).
-    target_correction: float32 the adaptive controller's factor on ``k``,
-      learned from the indices it transmitted (it removes the bias of
-      interpolating between probes; 1 at first, and always for the reference
-      rule).
-    step: int32 completed steps (skipped non-finite steps not counted).
-    stats: `SparsifierStats`, the last step's telemetry (what
-      `exdyna_jax.get_stats` returns); the step reads none of it.
-
-  Example:
-    Two steps on 4 workers simulated with ``jax.vmap``; the gradient is ten
-    times larger in the last quarter of ``N = 8192`` elements:
-
-    >>> import jax, jax.numpy as jnp, exdyna_jax
-    >>> tx = exdyna_jax.exdyna(density=0.01, num_blocks=64)
-    >>> params = jnp.zeros(8192)
-    >>> scale = jnp.where(jnp.arange(8192) < 6144, 1.0, 10.0)
-    >>> grads = scale * jax.random.normal(jax.random.key(0), (4, 8192))
-    >>> def two_steps(g):  # runs per worker
-    ...   state = tx.init(params)
-    ...   first = tx.update(g, state, params)[1]
-    ...   return first, tx.update(g, first, params)[1]
-    >>> first, second = jax.vmap(two_steps, axis_name="data", axis_size=4)(grads)
-    >>> type(second).__name__, second.residual.shape  # [worker, N]: a residual each
-    ('ExDynaState', (4, 8192))
-
-    The first step used four equal partitions of 16 blocks; it measured that
-    nearly all selections fall in the last 16 blocks, so the second step cut
-    those into three partitions:
-
-    >>> print(first.partition_sizes[0], second.partition_sizes[0])
-    [16 16 16 16] [50  5  4  5]
-    >>> print(round(float(first.block_workloads[0, 48:].sum()), 2))
-    0.99
-  """
-
-  residual: jax.Array
-  threshold: jax.Array
-  partition_sizes: jax.Array
-  partition_workloads: jax.Array
-  block_workloads: jax.Array
-  worker_scales: jax.Array
-  target_correction: jax.Array
-  step: jax.Array
-  stats: _stats.SparsifierStats
+PARTITIONERS = {partitioner.name: partitioner
+                for partitioner in (_balance.BALANCED, _partition.REFERENCE)}
 
 
 def exdyna(
@@ -114,7 +47,7 @@ def exdyna(
     num_blocks: int | None = None,
     capacity_factor: float | None = None,
     controller: str = "adaptive",
-    partitioner: str | None = None,
+    partitioner: str | _partition.Partitioner | None = None,
     value_dtype: Any = jnp.float32,
     spill: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
@@ -159,6 +92,7 @@ def exdyna(
       multiple of 32 elements with the remainder in the last partition, and
       the published neighbour rule, bit for bit). None (default):
       ``"reference"`` when ``controller="reference"``, else ``"balanced"``.
+      Or a ``Partitioner`` value (`micro` passes its fixed partitions so).
     value_dtype: float32 (default), bfloat16 or float16: what the exchanged
       values are summed in (:doc:`/usage`).
     spill: with the adaptive controller, all-gather only ``1.2 k / n`` slots
@@ -211,79 +145,34 @@ def exdyna(
     >>> int(sizes.sum()), bool(sizes[0] > 16 > sizes[-1])
     (128, True)
   """
-  blocks = _options.check_num_blocks(num_blocks)
-  spill = _options.check_flag(spill, "spill", "send the buffers' tails through shared slots")
   if partitioner is None:
     partitioner = "reference" if controller == "reference" else "balanced"
-  if partitioner not in PARTITIONERS:
-    raise ValueError(
-        f"Unknown partitioner {partitioner!r}; expected 'balanced' (default: re-cut every "
-        "step from the measured workload) or 'reference' (the published neighbour rule)."
-    )
-  if partitioner == "balanced":
-    geometry_fn = functools.partial(_balance.balanced_geometry, num_blocks=blocks)
-  else:
-    geometry_fn = lambda n_elements, n_workers: _partition.block_geometry(  # noqa: E731
-        n_elements, _partition.REFERENCE_NUM_BLOCKS if blocks is None else blocks, n_workers
-    )
-  return _partitioned_transform(
-      density, axis_name=axis_name, capacity_factor=capacity_factor, controller=controller,
-      geometry_fn=geometry_fn, partitioner=partitioner, value_dtype=value_dtype, spill=spill,
-  )
-
-
-def _partitioned_transform(
-    density: float | Mapping[int, float],
-    *,
-    axis_name: str,
-    capacity_factor: float | None,
-    controller: str,
-    geometry_fn: Callable[[int, int], _partition.BlockGeometry],
-    partitioner: str,
-    value_dtype: Any = jnp.float32,
-    spill: bool = False,
-) -> optax.GradientTransformationExtraArgs:
-  """The step of ExDyna and MiCRO, for one partitioner.
-
-  Args:
-    density: fraction ``d`` of elements to send per step, or a schedule
-      ``{first_step: density}`` (`_density_schedule`).
-    axis_name: the data-parallel axis.
-    capacity_factor: per-worker buffer size as a multiple of ``k / n``, or
-      None for `_options.default_capacity_factor`.
-    controller: ``"adaptive"`` or ``"reference"``.
-    geometry_fn: ``(N, n) -> BlockGeometry`` (validates and raises).
-    partitioner: ``"balanced"``, ``"reference"`` (the published neighbour
-      rule) or ``"static"`` (partitions never move: MiCRO).
-    value_dtype: the dtype the values are summed in.
-    spill: whether buffers' tails spill into shared slots (adaptive only).
-
-  Returns:
-    The optax transformation; its state is an `ExDynaState`.
-  """
+  if isinstance(partitioner, str):
+    if partitioner not in PARTITIONERS:
+      raise ValueError(
+          f"Unknown partitioner {partitioner!r}; expected 'balanced' (default: re-cut every "
+          "step from the measured workload) or 'reference' (the published neighbour rule)."
+      )
+    partitioner = PARTITIONERS[partitioner]
+  num_blocks = _options.check_num_blocks(num_blocks)
+  spill = _options.check_flag(spill, "spill", "send the buffers' tails through shared slots")
   levels = _density_schedule.density_levels(density)
   value_dtype = _options.check_value_dtype(value_dtype)
   if capacity_factor is not None:
     capacity_factor = _options.check_capacity_factor(capacity_factor)
   threshold_controller = _threshold.get_controller(controller)
-  balanced = partitioner == "balanced"
 
   def init_state(residual, num_elements, num_workers):
-    geometry = geometry_fn(num_elements, num_workers)
-    target = _density_schedule.initial_count(levels, num_elements)
+    geometry = partitioner.geometry(num_elements, num_workers, num_blocks)
+    threshold = threshold_controller.initial_threshold(
+        _density_schedule.initial_count(levels, num_elements))
     sizes = _partition.initial_sizes(geometry.num_blocks, num_workers)
-    if balanced:
-      block_workloads, worker_scales = _balance.initial_estimate(geometry)
-    else:
-      block_workloads = worker_scales = jnp.zeros((0,), jnp.float32)
-    threshold = threshold_controller.initial_threshold(target)
     return ExDynaState(
         residual=residual,
         threshold=jnp.float32(threshold),
         partition_sizes=sizes,
         partition_workloads=jnp.zeros((num_workers,), jnp.int32),
-        block_workloads=block_workloads,
-        worker_scales=worker_scales,
+        **partitioner.initial_estimate(geometry)._asdict(),
         target_correction=jnp.float32(1.0),
         step=jnp.int32(0),
         stats=_stats.initial_stats(threshold, _partition.starts_of(sizes), sizes),
@@ -291,104 +180,15 @@ def _partitioned_transform(
 
   def step_for(density):  # the step at one density
     def step(accumulated, state, num_workers):
-      num_elements = accumulated.shape[0]
-      geometry = geometry_fn(num_elements, num_workers)
-      target = _options.target_count(density, num_elements)
-      factor = capacity_factor or _options.default_capacity_factor(target, num_workers, controller)
-      capacity = _options.capacity(factor, target, num_workers, num_elements)
-      # The published exchange gathers and sums every buffer slot; a steered
-      # density lets the buffers' tails spill into shared slots and the
-      # gathered indices be packed into about k value slots.
-      slots, spill_layout = num_workers * capacity, None
-      if threshold_controller.num_probes:
-        slots = _options.value_slots(target, capacity, num_workers)
-        spill_layout = _exchange.default_spill(target, capacity, num_workers) if spill else None
-      budget = _threshold.Budget(target, capacity, slots)
-      t = state.step
-
-      # Partitions for this step, and the one this worker owns.
-      if balanced:
-        sizes = _balance.cut(_balance.BalanceEstimate(state.block_workloads, state.worker_scales),
-                             geometry, t)
-      elif partitioner == "reference":
-        adjusted = _partition.adjust(geometry, state.partition_sizes, state.partition_workloads)
-        sizes = jnp.where(t == 0, state.partition_sizes, adjusted)
-      else:
-        sizes = state.partition_sizes
-      starts = _partition.starts_of(sizes)
-      partition = _partition.owned_partition(t, jax.lax.axis_index(axis_name), num_workers)
-      begin, end = _partition.element_range(geometry, starts, sizes, partition)
-
-      # One global threshold, from every worker's count of its own partition.
-      chunk = _selection.chunk_length(num_elements, num_workers)
-      measure = _threshold.measure_partitions(
-          accumulated, begin, end, chunk=chunk, axis_name=axis_name
+      plan = plan_step(
+          density, accumulated.shape[0], num_workers, partitioner=partitioner,
+          num_blocks=num_blocks, capacity_factor=capacity_factor,
+          controller=threshold_controller, spill=spill,
       )
-      threshold, steady = threshold_controller.choose(
-          state.threshold, jnp.sum(state.partition_workloads), budget, state.target_correction, t,
-          measure,
+      return partitioned_step(
+          accumulated, state, plan, partitioner=partitioner, controller=threshold_controller,
+          axis_name=axis_name, value_dtype=value_dtype,
       )
-
-      # Exclusive selection: the worker's own partition only, read chunk by chunk.
-      selection = _selection.select_in_range(
-          accumulated, threshold, begin, end, capacity=capacity, chunk=chunk, fallback_offset=t
-      )
-
-      # Exchange: index buffers with each worker's pass count, values summed.
-      packed = slots if slots < num_workers * capacity else None
-      exchanged = _exchange.exchange(
-          accumulated, selection.indices, selection.passed[None], axis_name, value_slots=packed,
-          value_dtype=value_dtype, spill=spill_layout,
-      )
-      # Per worker: elements over the threshold and the indices it chose from
-      # them (the fallback index when none passed), before the capacity limit.
-      passed_per_worker = exchanged.gathered_info[:, 0]
-      selected_per_worker = jnp.maximum(passed_per_worker, 1)
-      workloads = _partition.by_partition(selected_per_worker, t)
-
-      # What the next step cuts its partitions from.
-      if balanced:
-        block_workloads, worker_scales = _balance.observe(
-            _balance.BalanceEstimate(state.block_workloads, state.worker_scales), geometry,
-            sizes=sizes, step=t, gathered_indices=exchanged.gathered_indices,
-            passed=passed_per_worker,
-        )
-      else:
-        block_workloads, worker_scales = state.block_workloads, state.worker_scales
-
-      selected = jnp.sum(selected_per_worker)
-      transmitted = jnp.minimum(jnp.sum(exchanged.gathered_indices < num_elements), slots)
-      stats = _stats.SparsifierStats(
-          step=state.stats.step + 1,  # all steps (a density schedule's dense ones too)
-          threshold=threshold,
-          selected=selected,
-          transmitted=transmitted,
-          overflow=selected - transmitted,
-          workloads=workloads,
-          imbalance=_stats.imbalance_of(workloads),
-          partition_starts=starts,
-          partition_sizes=sizes,
-          bytes_sent=_stats.static_bytes(
-              _exchange.exchange_bytes(
-                  num_workers, capacity, 1, packed, value_dtype.itemsize, spill_layout
-              )
-              + _threshold.control_bytes(threshold_controller, num_workers)
-          ),
-      )
-      new_state = ExDynaState(
-          residual=state.residual,  # the shell writes the new one
-          threshold=threshold,
-          partition_sizes=sizes,
-          partition_workloads=workloads,
-          block_workloads=block_workloads,
-          worker_scales=worker_scales,
-          target_correction=_threshold.correct(
-              state.target_correction, transmitted, target, steady
-          ),
-          step=t + 1,
-          stats=stats,
-      )
-      return exchanged.sparse, new_state
 
     return step
 
@@ -397,4 +197,3 @@ def _partitioned_transform(
       init_state=init_state,
       step=_density_schedule.scheduled_step(levels, step_for, axis_name),
   )
-

@@ -103,7 +103,8 @@ def skip_if_nonfinite(
 
   Returns:
     ``step()`` when ``nonfinite == 0``; otherwise the ``skipped`` output and
-    ``previous_stats``. Either way ``stats.nonfinite`` is set to
+    ``previous_stats``. Either way ``stats.step`` counts the steps taken
+    (the only place it is advanced), ``stats.nonfinite`` is set to
     ``nonfinite``, ``stats.skipped_steps`` counts the skipped steps, and
     ``stats.bytes_sent`` includes the count's ``psum`` (a skipped step sends
     nothing else), and the running totals add this step's figures (a skipped
@@ -134,6 +135,7 @@ def skip_if_nonfinite(
   bytes_sent = stats.bytes_sent + count_bytes
   done = branch == 0
   stats = stats._replace(
+      step=previous_stats.step + done.astype(jnp.int32),  # the one place steps are counted
       nonfinite=nonfinite,
       skipped_steps=previous_stats.skipped_steps + skip.astype(jnp.int32),
       bytes_sent=bytes_sent,

@@ -142,16 +142,14 @@ def hard_threshold(
     )
     passed = exchanged.gathered_info[:, 0]
     new_stats = _stats.unpartitioned_stats(
-        step=stats.step + 1,
+        stats,
         threshold=jnp.float32(value),
         selected=jnp.sum(passed),
         transmitted=_exchange.distinct_count(exchanged.gathered_indices, num_elements),
         overflow=jnp.sum(jnp.maximum(passed - slots, 0)),
         workloads=passed,
         num_elements=num_elements,
-        bytes_sent=_exchange.exchange_bytes(
-            num_workers, slots, 1, value_bytes=value_dtype.itemsize
-        ),
+        bytes_sent=exchanged.bytes_sent,
     )
     return exchanged.sparse, new_stats
 

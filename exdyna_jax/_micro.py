@@ -79,12 +79,12 @@ def micro(
     >>> bool(stats.imbalance[0] > 2), bool(stats.overflow[0] > 0)
     (True, True)
   """
-  return _exdyna._partitioned_transform(
+  return _exdyna.exdyna(
       density,
       axis_name=axis_name,
       capacity_factor=capacity_factor,
       controller=controller,
-      geometry_fn=_partition.element_geometry,
-      partitioner="static",
+      partitioner=_partition.STATIC,
       value_dtype=value_dtype,
+      spill=False,
   )

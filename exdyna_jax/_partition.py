@@ -1,9 +1,14 @@
-"""Blocks, partitions, rotation and ExDyna's dynamic partition adjustment.
+"""Blocks, partitions, rotation, ExDyna's dynamic partition adjustment, and partitioners.
 
 The flat vector of ``N`` elements is cut into ``num_blocks`` blocks of
 ``block_size`` elements (a multiple of 32); the ``remainder`` elements past the
 last block always belong to the last partition. Partition ``p`` is the run of
 ``partition_sizes[p]`` blocks starting at block ``partition_starts[p]``.
+
+A `Partitioner` says how a partitioned sparsifier lays its partitions out
+and moves them: `REFERENCE` (the published layout and neighbour rule) and
+`STATIC` (MiCRO: element partitions that never move) here, ``BALANCED`` in
+`exdyna_jax._balance`.
 
 References:
   Yoon & Oh, "Preserving Near-Optimal Gradient Sparsification Cost for
@@ -13,7 +18,8 @@ References:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -195,3 +201,80 @@ def adjust(
 
   new_sizes, _ = jax.lax.fori_loop(0, num_workers - 1, sweep, (sizes, workloads))
   return jnp.where(mean > 0, new_sizes, sizes)
+
+
+class PartitionEstimate(NamedTuple):
+  """What a partitioner has learned from past steps (identical on every worker).
+
+  Attributes:
+    block_workloads: float32 ``[B]`` the balanced partitioner's smoothed
+      share of the selections in each block (empty for the others).
+    worker_scales: float32 ``[n]`` its estimate of how much more each worker
+      selects than the block estimate predicts (empty for the others).
+  """
+
+  block_workloads: jax.Array
+  worker_scales: jax.Array
+
+
+class Partitioner(NamedTuple):
+  """How a partitioned sparsifier lays out its partitions and moves them each step.
+
+  Attributes:
+    name: what ``exdyna(partitioner=...)`` calls it.
+    geometry: ``(N, n, num_blocks or None) -> BlockGeometry``; raises a
+      ``ValueError`` naming what to pass where the layout cannot fit.
+    initial_estimate: ``geometry -> PartitionEstimate`` before the first step.
+    cut: ``(estimate, geometry, sizes, workloads, step) -> sizes``: int32
+      ``[n]`` blocks per partition for ``step``, from what the last step
+      left (its sizes and per-partition workloads) and the estimate.
+    observe: ``(estimate, geometry, *, sizes, step, gathered_indices, passed)
+      -> PartitionEstimate``: the estimate updated with what the step
+      selected (the exchanged index buffers and each worker's pass count).
+  """
+
+  name: str
+  geometry: Callable[[int, int, int | None], BlockGeometry]
+  initial_estimate: Callable[[BlockGeometry], PartitionEstimate]
+  cut: Callable[..., jax.Array]
+  observe: Callable[..., PartitionEstimate]
+
+
+def learns_nothing(geometry: BlockGeometry) -> PartitionEstimate:
+  """The estimate of a partitioner that keeps none: empty arrays."""
+  del geometry
+  return PartitionEstimate(jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32))
+
+
+def keep_estimate(estimate: PartitionEstimate, geometry: BlockGeometry, **observed: Any
+                  ) -> PartitionEstimate:
+  """``observe`` of a partitioner that learns nothing."""
+  del geometry, observed
+  return estimate
+
+
+def reference_geometry(num_elements: int, num_workers: int, num_blocks: int | None
+                       ) -> BlockGeometry:
+  """The published layout: `block_geometry` with ``B`` = 1024 unless given."""
+  return block_geometry(
+      num_elements, REFERENCE_NUM_BLOCKS if num_blocks is None else num_blocks, num_workers)
+
+
+def published_cut(estimate: PartitionEstimate, geometry: BlockGeometry, sizes: jax.Array,
+                  workloads: jax.Array, step: jax.Array) -> jax.Array:
+  """The published rule: the first step keeps the initial sizes, later ones `adjust` them."""
+  del estimate
+  return jnp.where(step == 0, sizes, adjust(geometry, sizes, workloads))
+
+
+def fixed_cut(estimate: PartitionEstimate, geometry: BlockGeometry, sizes: jax.Array,
+              workloads: jax.Array, step: jax.Array) -> jax.Array:
+  """Partitions that never move."""
+  del estimate, geometry, workloads, step
+  return sizes
+
+
+REFERENCE = Partitioner("reference", reference_geometry, learns_nothing, published_cut,
+                        keep_estimate)
+STATIC = Partitioner("static", lambda num_elements, num_workers, _: element_geometry(
+    num_elements, num_workers), learns_nothing, fixed_cut, keep_estimate)

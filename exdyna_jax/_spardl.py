@@ -353,7 +353,6 @@ def spardl(
     threshold = jnp.min(jnp.where(real, jnp.abs(gathered_values) / n, jnp.inf))
     threshold = jnp.where(transmitted > 0, threshold, 0.0).astype(jnp.float32)
     stats = state.stats._replace(
-        step=state.stats.step + 1,
         threshold=threshold,
         selected=transmitted,
         transmitted=transmitted,

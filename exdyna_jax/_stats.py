@@ -240,8 +240,8 @@ def static_bytes(num_bytes: int) -> jax.Array:
 
 
 def unpartitioned_stats(
+    previous: SparsifierStats,
     *,
-    step: jax.Array,
     threshold: jax.Array,
     selected: jax.Array,
     transmitted: jax.Array,
@@ -253,7 +253,8 @@ def unpartitioned_stats(
   """Statistics of a step of a method without partitions.
 
   Args:
-    step: int32 number of completed steps, this one included.
+    previous: the stats before the step (the shell's guard advances their
+      ``step`` and sets the fields it owns).
     threshold: float32 threshold used (or the effective one).
     selected: int32 elements selected by all workers together.
     transmitted: int32 distinct indices exchanged.
@@ -266,8 +267,7 @@ def unpartitioned_stats(
     The `SparsifierStats`, with `whole_vector` partitions.
   """
   starts, sizes = whole_vector(workloads.shape[0], num_elements)
-  return SparsifierStats(
-      step=step,
+  return previous._replace(
       threshold=jnp.asarray(threshold, jnp.float32),
       selected=selected,
       transmitted=transmitted,

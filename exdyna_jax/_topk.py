@@ -92,14 +92,14 @@ def topk(
     )
     selected = jnp.int32(num_workers * k)
     new_stats = _stats.unpartitioned_stats(
-        step=stats.step + 1,
+        stats,
         threshold=_collectives.bits_float(jnp.min(exchanged.gathered_info[:, 0])),
         selected=selected,
         transmitted=_exchange.distinct_count(exchanged.gathered_indices, num_elements),
         overflow=jnp.zeros((), jnp.int32),
         workloads=jnp.full((num_workers,), k, jnp.int32),
         num_elements=num_elements,
-        bytes_sent=_exchange.exchange_bytes(num_workers, k, 1, value_bytes=value_dtype.itemsize),
+        bytes_sent=exchanged.bytes_sent,
     )
     return exchanged.sparse, new_stats
 

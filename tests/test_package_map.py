@@ -60,3 +60,13 @@ def test_imports_run_from_lower_layers_only():
 def test_no_module_is_longer_than_a_few_screens():
   for path in PACKAGE.rglob("*.py"):
     assert len(path.read_text().splitlines()) <= MAX_LINES, path
+
+
+def test_the_step_counter_is_advanced_in_one_place():
+  """``stats.step`` is advanced by the shell's guard only; a method reports, it does not count."""
+  writers = {
+      str(path.relative_to(PACKAGE))
+      for path in PACKAGE.rglob("*.py")
+      if re.search(r"\bstep=[^,\n]*stats\.step\s*\+", path.read_text())
+  }
+  assert writers == {"_guard.py"}, writers
