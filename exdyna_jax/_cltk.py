@@ -107,6 +107,7 @@ def cltk(
         num_elements=num_elements,
         bytes_sent=_collectives.ring_all_reduce_bytes(num_workers, index_bytes)
         + _collectives.ring_all_reduce_bytes(num_workers, value_bytes),
+        target=k,
     )
     return sparse, new_stats
 

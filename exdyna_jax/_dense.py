@@ -88,6 +88,7 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
         bytes_sent=_collectives.ring_all_reduce_bytes(
             num_workers, layout.num_elements * _collectives.VALUE_BYTES
         ),
+        target=layout.num_elements,
     )
     mean, stats = _guard.skip_if_nonfinite(
         nonfinite, lambda: (mean, stats), state.stats, num_workers, axis_name

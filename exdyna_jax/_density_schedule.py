@@ -207,6 +207,7 @@ def scheduled_step(
       stats = state.stats._replace(
           selected=count,
           transmitted=count,
+          target=count,
           overflow=jnp.zeros((), jnp.int32),
           bytes_sent=_stats.static_bytes(
               _collectives.ring_all_reduce_bytes(

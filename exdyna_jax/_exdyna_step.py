@@ -236,6 +236,7 @@ def next_state(
       partition_starts=_partition.starts_of(sizes),
       partition_sizes=sizes,
       bytes_sent=_stats.static_bytes(bytes_sent),
+      target=jnp.int32(budget.target),
   )
   return ExDynaState(
       residual=state.residual,  # the shell writes the new one

@@ -150,6 +150,7 @@ def hard_threshold(
         workloads=passed,
         num_elements=num_elements,
         bytes_sent=exchanged.bytes_sent,
+        target=0 if density is None else _options.target_count(density, num_elements),
     )
     return exchanged.sparse, new_stats
 

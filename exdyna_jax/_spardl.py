@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from exdyna_jax import _collectives, _density_schedule, _exchange, _feedback, _stats
+from exdyna_jax import _collectives, _density_schedule, _exchange, _feedback, _options, _stats
 
 SCHEDULES = ("log", "ring")
 PAIR_BYTES = _collectives.INDEX_BYTES + _collectives.VALUE_BYTES
@@ -360,6 +360,7 @@ def spardl(
         workloads=workloads,
         imbalance=_stats.imbalance_of(workloads),
         bytes_sent=_stats.static_bytes(2 * (n - 1) * per_block * PAIR_BYTES),
+        target=jnp.int32(_options.target_count(density, num_elements)),
     )
     return sparse, state._replace(stats=stats)
 

@@ -56,6 +56,11 @@ class SparsifierStats(NamedTuple):
       as ring algorithms move them (static: the buffers have fixed size),
       control counts included; it equals what the compiled program's
       collectives move (see `exdyna_jax.demo.traffic`).
+    target: int32 ``k``, the indices the last step was asked to transmit
+      (its density level's with a schedule; ``N`` for a dense step; 0 before
+      the first step, and for ``hard_threshold(threshold=...)``, which has
+      no ``k``): ``transmitted / target`` is what was sent against what was
+      asked for.
     nonfinite: int32 NaN or infinite elements in the last step's gradients
       ``g``, summed over all workers. When it is nonzero every
       worker skipped that step: the update was zero and every other field,
@@ -102,6 +107,7 @@ class SparsifierStats(NamedTuple):
   partition_starts: jax.Array
   partition_sizes: jax.Array
   bytes_sent: jax.Array
+  target: jax.Array
   # Owned by the guard every update runs through (`exdyna_jax._guard.skip_if_nonfinite`):
   # a sparsification step need not set them.
   nonfinite: jax.Array = np.int32(0)
@@ -151,7 +157,7 @@ def initial_stats(
 ) -> SparsifierStats:
   """Statistics before the first step: every count zero."""
   zero = jnp.zeros((), jnp.int32)
-  counts = ("step", "selected", "transmitted", "overflow", "bytes_sent", "nonfinite",
+  counts = ("step", "selected", "transmitted", "overflow", "bytes_sent", "target", "nonfinite",
             "skipped_steps")
   return SparsifierStats(
       threshold=jnp.asarray(threshold, jnp.float32),
@@ -249,6 +255,7 @@ def unpartitioned_stats(
     workloads: jax.Array,
     num_elements: int,
     bytes_sent: int,
+    target: int,
 ) -> SparsifierStats:
   """Statistics of a step of a method without partitions.
 
@@ -262,6 +269,7 @@ def unpartitioned_stats(
     workloads: int32 ``[n]`` elements selected by each worker.
     num_elements: ``N``.
     bytes_sent: static bytes one worker sent (saturates at ``2**31 - 1``).
+    target: static ``k`` the step was asked to transmit.
 
   Returns:
     The `SparsifierStats`, with `whole_vector` partitions.
@@ -277,6 +285,7 @@ def unpartitioned_stats(
       partition_starts=starts,
       partition_sizes=sizes,
       bytes_sent=static_bytes(bytes_sent),
+      target=jnp.int32(target),
   )
 
 

@@ -100,6 +100,7 @@ def topk(
         workloads=jnp.full((num_workers,), k, jnp.int32),
         num_elements=num_elements,
         bytes_sent=exchanged.bytes_sent,
+        target=k,
     )
     return exchanged.sparse, new_stats
 

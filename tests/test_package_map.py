@@ -70,3 +70,12 @@ def test_the_step_counter_is_advanced_in_one_place():
       if re.search(r"\bstep=[^,\n]*stats\.step\s*\+", path.read_text())
   }
   assert writers == {"_guard.py"}, writers
+
+
+def test_the_demo_uses_the_public_api_only():
+  """The demo is what a user could write: it imports no private module of the library."""
+  private = {
+      str(path.relative_to(PACKAGE)): sorted(n for n in package_imports(path) if n.startswith("_"))
+      for path in (PACKAGE / "demo").rglob("*.py")
+  }
+  assert {name: found for name, found in private.items() if found} == {}

@@ -51,6 +51,7 @@ def test_soak_checks_can_fail():
       partition_starts=np.zeros((2, 3, 2), np.int32),
       partition_sizes=np.full((2, 3, 2), 10, np.int32),
       bytes_sent=np.ones((2, 3), np.int32),
+      target=np.ones((2, 3), np.int32),
       nonfinite=np.zeros((2, 3), np.int32),
       skipped_steps=np.zeros((2, 3), np.int32),
   )

@@ -67,3 +67,19 @@ def test_resizing_keeps_the_totals():
   *_, state = harness.run_vmap(tx, params, grads)
   resized = exdyna_jax.resize_workers(tx, state, params, 2)
   assert exdyna_jax.read_totals(resized.stats) == exdyna_jax.read_totals(state.stats)
+
+
+@pytest.mark.parametrize("name", exdyna_jax.available_sparsifiers())
+def test_the_stats_say_what_each_step_was_asked_to_send(name):
+  """``stats.target`` is the step's ``k``: floor(d N) for every method, N for dense, and
+  with a warm-up schedule the level the step ran at (N on its dense level)."""
+  num_elements, steps = 4096, 3
+  grads = jax.random.normal(jax.random.key(0), (8, steps, num_elements))
+  tx = exdyna_jax.get_sparsifier(name, **({} if name == "dense" else {"density": 0.01}))
+  _, states, _ = harness.run_vmap(tx, jnp.zeros(num_elements), grads)
+  want = num_elements if name == "dense" else 40  # floor(0.01 * 4096)
+  assert optax.tree.get(states, "stats").target[0].tolist() == [want] * steps
+  if name in ("exdyna", "micro", "topk", "cltk"):
+    scheduled = exdyna_jax.get_sparsifier(name, density={0: 1.0, 2: 0.01})
+    _, states, _ = harness.run_vmap(scheduled, jnp.zeros(num_elements), grads)
+    assert optax.tree.get(states, "stats").target[0].tolist() == [num_elements] * 2 + [40]

@@ -1,19 +1,19 @@
 """Trains one model with one gradient exchange method on simulated workers.
 
-The train step is an explicit ``jax.shard_map`` over the mesh axis
-``"data"``: every worker differentiates the loss on its own shard of the
-batch (``check_vma=False`` keeps that gradient local, so no dense all-reduce
-is hidden in it), the sparsifier exchanges what it selected, and the
-optimizer that follows applies the aggregated update, identical on every
-worker. Per-worker losses leave the step unreduced, so the only collectives
-in the compiled step are the method's own: `traffic.bytes_per_worker` of its
-HLO is exactly what the method exchanges.
+Only the public API, as a user writes it: the train step is a per-worker
+step decorated with ``data_parallel(tx, mesh).step`` (jitted, the state
+donated), every worker differentiates the loss on its own shard of the
+batch, the sparsifier exchanges what it selected, and the optimizer that
+follows applies the aggregated update, identical on every worker. The
+per-worker losses leave the step unreduced, so the only collectives in the
+compiled step are the method's own: `traffic.bytes_per_worker` of its HLO is
+exactly what the method exchanges. The stats (``stats.target`` is the
+step's ``k``) are read with ``dp.stats`` after the timed step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -21,11 +21,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import optax
-from jax import P
 
 import exdyna_jax
-from exdyna_jax import _density_schedule
-from exdyna_jax._sharding import add_worker_axis, drop_worker_axis
 from exdyna_jax.demo import traffic
 
 AXIS = "data"
@@ -134,18 +131,19 @@ def make_mesh(num_workers: int) -> jax.sharding.Mesh:
 
 
 class CompiledMethod(NamedTuple):
-  """A method's jitted init and train step and what its step exchanges.
+  """A method's data-parallel wiring, its train step and what the step exchanges.
 
   Attributes:
-    init: ``params -> opt_state`` (leading worker axis).
-    step: ``(params, opt_state, inputs, targets) -> (params, opt_state,
-      worker_losses [n], stats with leading worker axis)``.
+    dp: `exdyna_jax.data_parallel` of the optimizer (``dp.init``,
+      ``dp.stats``).
+    step: ``(params, opt_state, (inputs, targets)) -> (params, opt_state,
+      worker_losses [n])``, the ``dp.step`` a user runs (donates the state).
     hlo_bytes: bytes one worker sends per step, counted from the compiled HLO.
     collectives: the collectives of the compiled step.
   """
 
-  init: Callable[[Any], Any]
-  step: Callable[..., tuple[Any, Any, jax.Array, exdyna_jax.SparsifierStats]]
+  dp: exdyna_jax.DataParallel
+  step: Callable[..., tuple[Any, Any, jax.Array]]
   hlo_bytes: int
   collectives: list[traffic.Collective]
 
@@ -154,46 +152,29 @@ def compile_method(
     task: Task, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, params: Any,
     example_batch: tuple[np.ndarray, np.ndarray],
 ) -> CompiledMethod:
-  """Builds and compiles the shard_map train step of ``tx`` for ``task``.
+  """Builds the ``dp.step`` train step of ``tx`` for ``task`` and counts its collectives.
 
   Args:
     task: the `Task`.
     tx: the optimizer, sparsifier first.
     mesh: the mesh with axis ``"data"``.
-    params: initial parameters, replicated over ``mesh``.
+    params: initial parameters.
     example_batch: a global batch (for shapes).
 
   Returns:
     The `CompiledMethod`.
   """
+  dp = exdyna_jax.data_parallel(tx, mesh, axis_name=AXIS)
 
-  def init(params):
-    return add_worker_axis(tx.init(params))
-
-  def train_step(params, opt_state, inputs, targets):
-    opt_state = drop_worker_axis(opt_state)
-    loss, grads = jax.value_and_grad(task.loss_fn)(params, inputs, targets)  # local
+  @dp.step
+  def train_step(params, opt_state, batch):  # per worker: its own shard of the batch
+    loss, grads = jax.value_and_grad(task.loss_fn)(params, *batch)  # its own gradient
     updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    stats = exdyna_jax.get_stats(opt_state)
-    return params, add_worker_axis(opt_state), loss[None], add_worker_axis(stats)
+    return optax.apply_updates(params, updates), opt_state, loss
 
-  per_worker = P(AXIS)
-  init_fn = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=P(), out_specs=per_worker))
-  step_fn = jax.jit(
-      jax.shard_map(
-          train_step,
-          mesh=mesh,
-          in_specs=(P(), per_worker, per_worker, per_worker),
-          out_specs=(P(), per_worker, per_worker, per_worker),
-          check_vma=False,  # local gradients; the updates are identical on every worker
-      )
-  )
-  opt_state = init_fn(params)
-  compiled = step_fn.lower(params, opt_state, *example_batch).compile()
-  found = traffic.collectives(compiled.as_text(), mesh.size)
-  # The compiled executable itself is the step: calling step_fn would compile again.
-  return CompiledMethod(init_fn, compiled, sum(c.bytes_sent for c in found), found)
+  lowered = train_step.lower(params, dp.init(params), example_batch)
+  found = traffic.collectives(lowered.compile().as_text(), mesh.size)
+  return CompiledMethod(dp, train_step, sum(c.bytes_sent for c in found), found)
 
 
 @dataclasses.dataclass
@@ -220,23 +201,24 @@ class MethodRun:
   collectives: list[traffic.Collective]
 
 
-def _record(step, seconds, losses, stats, num_elements, target) -> dict[str, Any]:
-  worker0 = jax.tree.map(lambda x: np.asarray(x)[0], stats)
-  transmitted = int(worker0.transmitted)
+def _record(step, seconds, losses, stats, num_elements) -> dict[str, Any]:
+  stats = jax.device_get(stats)
+  transmitted = int(stats.transmitted)
   return {
       "step": step,
       "loss": float(np.mean(losses)),
       "step_time_s": seconds,
-      "threshold": float(worker0.threshold),
-      "selected": int(worker0.selected),
+      "threshold": float(stats.threshold),
+      "selected": int(stats.selected),
       "transmitted": transmitted,
-      "overflow": int(worker0.overflow),
+      "target": int(stats.target),
+      "overflow": int(stats.overflow),
       "density": transmitted / num_elements,
-      "sent_over_k": transmitted / target,
-      "imbalance": float(worker0.imbalance),
-      "bytes_sent": int(worker0.bytes_sent),
-      "partition_starts": worker0.partition_starts.tolist(),
-      "partition_sizes": worker0.partition_sizes.tolist(),
+      "sent_over_k": transmitted / int(stats.target),
+      "imbalance": float(stats.imbalance),
+      "bytes_sent": int(stats.bytes_sent),
+      "partition_starts": stats.partition_starts.tolist(),
+      "partition_sizes": stats.partition_sizes.tolist(),
   }
 
 
@@ -251,9 +233,9 @@ def train_method(
   batch loss), ``step_time_s`` (wall time, blocked), the sparsifier's stats
   (``threshold``, ``transmitted``, ``overflow``, ``selected`` (a diagnostic:
   what passed the threshold before the capacity limit), ``imbalance``,
-  ``bytes_sent``, ``partition_starts``, ``partition_sizes``), the achieved
-  ``density`` (transmitted / N) and ``sent_over_k`` (transmitted / k: what
-  the user asked for is 1);
+  ``bytes_sent``, ``partition_starts``, ``partition_sizes``, ``target``: the
+  step's ``k``), the achieved ``density`` (transmitted / N) and
+  ``sent_over_k`` (transmitted / k: what the user asked for is 1);
   every ``eval_every`` steps and at the end also the `Task.evaluate` metrics.
 
   Args:
@@ -270,21 +252,13 @@ def train_method(
   """
   num_workers = mesh.size
   rng = np.random.default_rng(config.seed)
-  replicated = jax.sharding.NamedSharding(mesh, P())
-  params = jax.device_put(task.init_params(jax.random.key(config.seed)), replicated)
+  params = task.init_params(jax.random.key(config.seed))
   num_elements = sum(leaf.size for leaf in jax.tree.leaves(params))
-  target = num_elements if method == "dense" else math.floor(config.density * num_elements)
-  levels = _density_schedule.density_levels(1.0 if method == "dense" else density_of(config))
-
-  def target_at(step):  # k of the density level the 1-based step ran at
-    density = _density_schedule.density_at(levels, step - 1)
-    return num_elements if density == 1.0 else math.floor(density * num_elements)
-
   global_batch = num_workers * config.batch_per_worker
   tx = optimizer_for(method, config)
   compiled = compile_method(task, tx, mesh, params, task.sample_batch(rng, global_batch))
   rng = np.random.default_rng(config.seed)  # every method sees the same batches
-  opt_state = compiled.init(params)
+  opt_state = compiled.dp.init(params)
   evaluate = jax.jit(task.evaluate)
 
   records = []
@@ -295,11 +269,10 @@ def train_method(
   for step in steps:
     inputs, targets = task.sample_batch(rng, global_batch)
     start = time.perf_counter()
-    params, opt_state, losses, stats = compiled.step(params, opt_state, inputs, targets)
-    losses, stats = jax.device_get((losses, stats))
-    record = _record(
-        step, time.perf_counter() - start, losses, stats, num_elements, target_at(step)
-    )
+    params, opt_state, losses = compiled.step(params, opt_state, (inputs, targets))
+    losses = jax.device_get(losses)  # waits for the step
+    seconds = time.perf_counter() - start
+    record = _record(step, seconds, losses, compiled.dp.stats(opt_state), num_elements)
     if step % config.eval_every == 0 or step == config.steps:
       metrics = {name: float(value) for name, value in evaluate(params).items()}
       record.update(metrics)
@@ -308,5 +281,5 @@ def train_method(
       on_record(record)
   if not metrics:
     metrics = {name: float(value) for name, value in evaluate(params).items()}
-  return MethodRun(method, num_elements, target, records, metrics, compiled.hlo_bytes,
-                   compiled.collectives)
+  return MethodRun(method, num_elements, records[-1]["target"], records, metrics,
+                   compiled.hlo_bytes, compiled.collectives)
