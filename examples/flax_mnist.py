@@ -34,7 +34,7 @@ import optax
 from flax import nnx
 
 import exdyna_jax  # data parallel
-from exdyna_jax.demo import data
+from exdyna_jax.demo import data, report
 
 
 class CNN(nnx.Module):
@@ -108,21 +108,14 @@ def train(args: argparse.Namespace) -> dict[str, float]:
       print(f"step {step:4d}  train loss {history['train_loss']:.3f}  "
             f"test loss {history['test_loss']:.3f}  test accuracy {history['test_accuracy']:.2%}")
   totals = exdyna_jax.read_totals(dp.stats(optimizer.opt_state))  # data parallel
-  size = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))  # data parallel
-  history["density_sent"] = totals["transmitted"] / (totals["steps"] * size)  # data parallel
-  print(f"{mesh.size} workers, density sent {history['density_sent']:.3%}")  # data parallel
+  history["sent_over_k"] = totals["transmitted"] / totals["target"]  # data parallel
+  print(f"{mesh.size} workers, sent {history['sent_over_k']:.3f} of k")  # data parallel
   return history
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--eval-every", type=int, default=100)
-  parser.add_argument("--batch-size", type=int, default=64, help="global, over all workers")
-  parser.add_argument("--learning-rate", type=float, default=0.005)
-  parser.add_argument("--momentum", type=float, default=0.9)
+  parser = report.port_parser(__doc__.split("\n\n")[0])
   parser.add_argument("--density", type=float, default=0.01)  # data parallel: 1 is dense
-  parser.add_argument("--seed", type=int, default=0)
   return train(parser.parse_args(argv))
 
 

@@ -144,5 +144,6 @@ def skip_if_nonfinite(
           previous_stats.transmitted_total, done * stats.transmitted),
       overflow_total=_stats.add_to_total(previous_stats.overflow_total, done * stats.overflow),
       bytes_total=_stats.add_to_total(previous_stats.bytes_total, bytes_sent),
+      target_total=_stats.add_to_total(previous_stats.target_total, done * stats.target),
   )
   return output, stats

@@ -12,7 +12,7 @@ import optax
 
 INT32_MAX = 2**31 - 1
 WORD = 2**31  # a running total is two int32 words: high * WORD + low
-TOTALS = ("transmitted_total", "overflow_total", "bytes_total")
+TOTALS = ("transmitted_total", "overflow_total", "bytes_total", "target_total")
 
 
 def add_to_total(words: jax.Array, count: jax.Array) -> jax.Array:
@@ -56,11 +56,6 @@ class SparsifierStats(NamedTuple):
       as ring algorithms move them (static: the buffers have fixed size),
       control counts included; it equals what the compiled program's
       collectives move (see `exdyna_jax.demo.traffic`).
-    target: int32 ``k``, the indices the last step was asked to transmit
-      (its density level's with a schedule; ``N`` for a dense step; 0 before
-      the first step, and for ``hard_threshold(threshold=...)``, which has
-      no ``k``): ``transmitted / target`` is what was sent against what was
-      asked for.
     nonfinite: int32 NaN or infinite elements in the last step's gradients
       ``g``, summed over all workers. When it is nonzero every
       worker skipped that step: the update was zero and every other field,
@@ -75,11 +70,19 @@ class SparsifierStats(NamedTuple):
     transmitted_total: ``transmitted`` summed over the completed steps.
     overflow_total: ``overflow`` summed over the completed steps.
     bytes_total: ``bytes_sent`` summed over every step, skipped ones included.
-      The three totals let a run's density be read with no sync per step
-      (`read_totals`: ``transmitted / (steps * k)``). Each is exact past the
-      range of int32: an int32 pair ``[..., 2]``, ``(high, low)``, worth
+      The totals (``target_total`` below too) let a run's density be read
+      with no sync per step (`read_totals`). Each is exact past the range
+      of int32: an int32 pair ``[..., 2]``, ``(high, low)``, worth
       ``high * 2**31 + low`` (JAX computes in 32 bits unless x64 is on, and a
       dense run's bytes pass ``2**31`` within a few steps).
+    target: int32 ``k``, the indices the last step was asked to transmit
+      (its density level's with a schedule; ``N`` for a dense step; 0 before
+      the first step, and for ``hard_threshold(threshold=...)``, which has
+      no ``k``): ``transmitted / target`` is what was sent against what was
+      asked for.
+    target_total: ``target`` summed over the completed steps: the ``k``
+      the run asked for in all, so ``transmitted_total / target_total`` is
+      its sent/k, a density warm-up's levels included.
 
   Example:
     The stats of a freshly initialized ExDyna state, on 8 workers simulated
@@ -107,7 +110,6 @@ class SparsifierStats(NamedTuple):
   partition_starts: jax.Array
   partition_sizes: jax.Array
   bytes_sent: jax.Array
-  target: jax.Array
   # Owned by the guard every update runs through (`exdyna_jax._guard.skip_if_nonfinite`):
   # a sparsification step need not set them.
   nonfinite: jax.Array = np.int32(0)
@@ -116,6 +118,9 @@ class SparsifierStats(NamedTuple):
   transmitted_total: jax.Array = np.zeros(2, np.int32)
   overflow_total: jax.Array = np.zeros(2, np.int32)
   bytes_total: jax.Array = np.zeros(2, np.int32)
+  # Set by every step (last, with a default: a pickled state of 0.1.0 loads with 0).
+  target: jax.Array = np.int32(0)
+  target_total: jax.Array = np.zeros(2, np.int32)  # the guard's
 
 
 def read_totals(stats: SparsifierStats) -> dict[str, int]:
@@ -126,8 +131,9 @@ def read_totals(stats: SparsifierStats) -> dict[str, int]:
       state with the worker axis: every worker holds the same totals).
 
   Returns:
-    ``{"steps", "skipped_steps", "transmitted", "overflow", "bytes_sent"}``:
-    completed and skipped steps, and the totals over them.
+    ``{"steps", "skipped_steps", "transmitted", "overflow", "bytes_sent",
+    "target"}``: completed and skipped steps, and the totals over them;
+    ``transmitted / target`` is the run's sent/k.
 
   Example:
     >>> import jax, jax.numpy as jnp, exdyna_jax
@@ -139,8 +145,10 @@ def read_totals(stats: SparsifierStats) -> dict[str, int]:
     ...   return state
     >>> grads = jax.random.normal(jax.random.key(0), (8, 3, 4096))
     >>> totals = exdyna_jax.read_totals(jax.vmap(run, axis_name="data")(grads).stats)
-    >>> totals["steps"], 40 <= totals["transmitted"] / totals["steps"] <= 8 * 40  # their union
-    (3, True)
+    >>> totals["steps"], totals["target"]  # k = 40 asked for at each step
+    (3, 120)
+    >>> 1 <= totals["transmitted"] / totals["target"] <= 8  # the union of the workers' 40
+    True
   """
   total = lambda words: int(np.ravel(words)[0]) * WORD + int(np.ravel(words)[1])  # noqa: E731
   return {
@@ -149,6 +157,7 @@ def read_totals(stats: SparsifierStats) -> dict[str, int]:
       "transmitted": total(stats.transmitted_total),
       "overflow": total(stats.overflow_total),
       "bytes_sent": total(stats.bytes_total),
+      "target": total(stats.target_total),
   }
 
 

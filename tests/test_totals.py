@@ -31,10 +31,11 @@ def test_totals_are_the_sums_of_the_per_step_stats(name):
       "transmitted": int(np.sum(stats.transmitted[0][done], dtype=np.int64)),
       "overflow": int(np.sum(stats.overflow[0][done], dtype=np.int64)),
       "bytes_sent": int(np.sum(stats.bytes_sent[0], dtype=np.int64)),
+      "target": int(np.sum(stats.target[0][done], dtype=np.int64)),
   }
   final = jax.tree.map(lambda leaf: leaf[:, -1], stats)
   assert exdyna_jax.read_totals(final) == want
-  assert want["transmitted"] > 0 and want["bytes_sent"] > 0
+  assert want["transmitted"] > 0 and want["bytes_sent"] > 0 and want["target"] > 0
 
 
 def test_a_total_carries_past_int32_exactly():

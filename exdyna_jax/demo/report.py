@@ -291,6 +291,18 @@ def example_parser(description: str, default_out: str) -> argparse.ArgumentParse
   return parser
 
 
+def port_parser(description: str) -> argparse.ArgumentParser:
+  """The command line of the Flax MNIST ports, as Flax's single-device script has it."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--eval-every", type=int, default=100)
+  parser.add_argument("--batch-size", type=int, default=64, help="global, over all workers")
+  parser.add_argument("--learning-rate", type=float, default=0.005)
+  parser.add_argument("--momentum", type=float, default=0.9)
+  parser.add_argument("--seed", type=int, default=0)
+  return parser
+
+
 def example_row(
     method: str, accuracy: float, losses: Sequence[float], hlo_bytes: int, stats_bytes: int
 ) -> dict[str, Any]:
