@@ -115,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="evaluate on the test set every N steps (default: 25; 10 with "
                     "--processes)")
   demo.add_argument("--seed", type=int, default=0, help="seed of weights and batches")
+  add_demo_outputs(demo)
+  return parser
+
+
+def add_demo_outputs(demo: argparse.ArgumentParser) -> None:
+  """The demo's task, cluster and output options."""
   demo.add_argument("--task", choices=sorted(TASKS), default=None,
                     help="digits (85,002-parameter MLP) or digits-wide (4.3M; dense's "
                     "exchange dominates its step on a slow link) (default: digits; "
@@ -137,7 +143,6 @@ def build_parser() -> argparse.ArgumentParser:
   demo.add_argument("--wide", action="store_true",
                     help="print every column of the table: the median |sent/k - 1| and the "
                     "bytes counted from the compiled program (default: fits 100 columns)")
-  return parser
 
 
 def _use_cpu_devices(count: int) -> None:

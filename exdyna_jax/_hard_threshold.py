@@ -96,25 +96,8 @@ def hard_threshold(
     >>> round(float(updates[0, 0]), 4)  # mean of 1.0, 0.1, 0.1 and 0.1
     0.325
   """
-  if (density is None) == (threshold is None):
-    raise ValueError(
-        "hard_threshold needs exactly one of density= (threshold "
-        "1 / (2 sqrt(floor(density * N)))) and threshold= (a fixed value), got "
-        f"density={density!r}, threshold={threshold!r}."
-    )
-  if density is not None:
-    density = _density_schedule.check_unscheduled(density, "hard_threshold")
-    capacity_factor = _options.check_capacity_factor(capacity_factor)
-  else:
-    threshold = _options.check_threshold(threshold)
-    if capacity is None:
-      raise ValueError(
-          "hard_threshold(threshold=...) cannot size its index buffers from a "
-          "density: pass capacity= (index slots per worker, e.g. twice the number "
-          "of elements you expect above the threshold), or use density= instead."
-      )
-  if capacity is not None:
-    capacity = _options.check_capacity(capacity)
+  density, threshold, capacity_factor, capacity = check_options(
+      density, threshold, capacity_factor, capacity)
   value_dtype = _options.check_value_dtype(value_dtype)
 
   def settings(num_elements: int) -> tuple[float, int]:
@@ -162,3 +145,33 @@ def hard_threshold(
       sparsify=sparsify,
       density=density,
   )
+
+
+def check_options(density: float | None, threshold: float | None, capacity_factor: float,
+                  capacity: int | None) -> tuple[float | None, float | None, float, int | None]:
+  """``(density, threshold, capacity_factor, capacity)`` checked: exactly one of the first two.
+
+  Raises:
+    ValueError: for both or neither of ``density`` and ``threshold``, a
+      fixed ``threshold`` without ``capacity``, or any option out of range.
+  """
+  if (density is None) == (threshold is None):
+    raise ValueError(
+        "hard_threshold needs exactly one of density= (threshold "
+        "1 / (2 sqrt(floor(density * N)))) and threshold= (a fixed value), got "
+        f"density={density!r}, threshold={threshold!r}."
+    )
+  if density is not None:
+    density = _density_schedule.check_unscheduled(density, "hard_threshold")
+    capacity_factor = _options.check_capacity_factor(capacity_factor)
+  else:
+    threshold = _options.check_threshold(threshold)
+    if capacity is None:
+      raise ValueError(
+          "hard_threshold(threshold=...) cannot size its index buffers from a "
+          "density: pass capacity= (index slots per worker, e.g. twice the number "
+          "of elements you expect above the threshold), or use density= instead."
+      )
+  if capacity is not None:
+    capacity = _options.check_capacity(capacity)
+  return density, threshold, capacity_factor, capacity

@@ -173,14 +173,8 @@ def data_parallel(
         f"The mesh has axes {mesh.axis_names}, not {axis_name!r}; pass "
         "axis_name= naming its data-parallel axis."
     )
-  per_worker = P(axis_name)
-  replicated, split = jax.NamedSharding(mesh, P()), jax.NamedSharding(mesh, per_worker)
-
-  def shard(fn, in_specs, out_specs):
-    # check_vma=False: gradients stay local (no implicit psum of the gradient
-    # of replicated params), and the sparsifier's output, identical on every
-    # worker by construction, may leave through a replicated out_spec.
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  per_worker, replicated = P(axis_name), jax.NamedSharding(mesh, P())
+  shard = functools.partial(per_worker_map, mesh)
 
   def init(params):
     with _layout.recording_params() as seen:
@@ -214,50 +208,73 @@ def data_parallel(
 
     return grad_fn
 
-  def step(per_worker_step):
-    def body(params, opt_state, batch, *args):
-      opt_state = drop_worker_axis(opt_state)
-      outputs = per_worker_step(params, opt_state, batch, *args)
-      _dp_checks.check_step_outputs(outputs, params, opt_state, per_worker_step)
-      params, opt_state, *aux = outputs
-      return add_worker_axis(opt_state), params, add_worker_axis(jax.tree.map(jnp.asarray, aux))
-
-    # The state leaves first: a donated state buffer is aliased to the first
-    # output of its shape, so nothing else may come before it.
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def state_first(params, opt_state, batch, *args):
-      in_specs = (P(), per_worker, per_worker) + (P(),) * len(args)
-      return shard(body, in_specs, (per_worker, P(), per_worker))(
-          params, opt_state, batch, *args
-      )
-
-    checked = []  # the params' copies are compared after the first call
-    differs = jax.jit(shard(functools.partial(
-        jax.tree.map, lambda x: _dp_checks.differs_across(x, axis_name)), P(), P()))
-
-    @functools.wraps(per_worker_step)
-    def train_step(params, opt_state, batch, *args, **kwargs):
-      if kwargs:
-        raise TypeError(
-            f"The train step of data_parallel(...).step takes its arguments by position "
-            f"(params, opt_state, batch, *args), got keyword(s) {sorted(kwargs)}: pass them "
-            "positionally, or close over constants in the step."
-        )
-      _dp_checks.check_batch(batch, mesh.shape[axis_name])
-      # Placed as the step takes them (no copy where they are already): an
-      # Explicit mesh (jax.make_mesh's default) accepts nothing else.
-      params, batch, args = jax.device_put((params, batch, args), (replicated, split, replicated))
-      opt_state, params, aux = state_first(params, opt_state, batch, *args)
-      if not checked and not any(  # under a jit of the user's, nothing to read
-          isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(params)):
-        _dp_checks.refuse_per_worker_params(differs(params))
-        checked.append(True)
-      return (params, opt_state, *aux)
-
-    train_step.lower = state_first.lower  # e.g. to read the compiled program's collectives
-    return train_step
+  step = functools.partial(step_decorator, mesh, axis_name)
 
   def stats(opt_state):
     return drop_worker_axis(_stats.get_stats(opt_state))
 
   return DataParallel(init, step, update, value_and_grad, stats, tx, mesh, axis_name)
+
+
+def per_worker_map(mesh: jax.sharding.Mesh, fn: Callable, in_specs: Any, out_specs: Any
+                   ) -> Callable:
+  """``jax.shard_map`` of a per-worker function, gradients kept local.
+
+  ``check_vma=False``: gradients stay local (no implicit psum of the gradient
+  of replicated params), and the sparsifier's output, identical on every
+  worker by construction, may leave through a replicated out_spec.
+  """
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def step_decorator(mesh: jax.sharding.Mesh, axis_name: str,
+                   per_worker_step: Callable[..., tuple]) -> Callable[..., tuple]:
+  """`DataParallel.step`: the jitted, donating train step of ``per_worker_step``.
+
+  It checks the batch and the keyword arguments, places the inputs as the
+  step takes them, runs the step per worker with the optimizer state's
+  worker axis dropped, and after the first call refuses replicated params
+  whose copies differ across the workers.
+  """
+  per_worker, shard = P(axis_name), functools.partial(per_worker_map, mesh)
+  replicated, split = jax.NamedSharding(mesh, P()), jax.NamedSharding(mesh, per_worker)
+
+  def body(params, opt_state, batch, *args):
+    opt_state = drop_worker_axis(opt_state)
+    outputs = per_worker_step(params, opt_state, batch, *args)
+    _dp_checks.check_step_outputs(outputs, params, opt_state, per_worker_step)
+    params, opt_state, *aux = outputs
+    return add_worker_axis(opt_state), params, add_worker_axis(jax.tree.map(jnp.asarray, aux))
+
+  # The state leaves first: a donated state buffer is aliased to the first
+  # output of its shape, so nothing else may come before it.
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def state_first(params, opt_state, batch, *args):
+    in_specs = (P(), per_worker, per_worker) + (P(),) * len(args)
+    return shard(body, in_specs, (per_worker, P(), per_worker))(params, opt_state, batch, *args)
+
+  checked = []  # the params' copies are compared after the first call
+  differs = jax.jit(shard(functools.partial(
+      jax.tree.map, lambda x: _dp_checks.differs_across(x, axis_name)), P(), P()))
+
+  @functools.wraps(per_worker_step)
+  def train_step(params, opt_state, batch, *args, **kwargs):
+    if kwargs:
+      raise TypeError(
+          f"The train step of data_parallel(...).step takes its arguments by position "
+          f"(params, opt_state, batch, *args), got keyword(s) {sorted(kwargs)}: pass them "
+          "positionally, or close over constants in the step."
+      )
+    _dp_checks.check_batch(batch, mesh.shape[axis_name])
+    # Placed as the step takes them (no copy where they are already): an
+    # Explicit mesh (jax.make_mesh's default) accepts nothing else.
+    params, batch, args = jax.device_put((params, batch, args), (replicated, split, replicated))
+    opt_state, params, aux = state_first(params, opt_state, batch, *args)
+    if not checked and not any(  # under a jit of the user's, nothing to read
+        isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(params)):
+      _dp_checks.refuse_per_worker_params(differs(params))
+      checked.append(True)
+    return (params, opt_state, *aux)
+
+  train_step.lower = state_first.lower  # e.g. to read the compiled program's collectives
+  return train_step

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from exdyna_jax import _collectives, _density_schedule, _exchange, _feedback, _options, _stats
+from exdyna_jax import _collectives, _density_schedule, _exchange, _feedback, _stats
 
 SCHEDULES = ("log", "ring")
 PAIR_BYTES = _collectives.INDEX_BYTES + _collectives.VALUE_BYTES
@@ -276,95 +276,108 @@ def spardl(
         f"'ring' (n - 1 steps), got {schedule!r}."
     )
 
-  def geometry(num_elements: int, num_workers: int) -> tuple[int, int]:
-    block = -(-num_elements // num_workers)
-    return block, max(1, math.floor(density * block))
-
-  def rounds_of(num_workers: int, per_block: int) -> SparDLRounds:
-    schedule_rounds = _schedule(schedule, num_workers)
-    gather = _bruck_sizes(num_workers)
-    pair = per_block * PAIR_BYTES
-    return SparDLRounds(
-        reduce_scatter_rounds=jnp.int32(len(schedule_rounds)),
-        reduce_scatter_bytes=_saturated([len(r.send_rows) * pair for r in schedule_rounds]),
-        all_gather_rounds=jnp.int32(len(gather)),
-        all_gather_bytes=_saturated([size * pair for size in gather]),
-    )
-
-  def block_ranges(num_elements: int, num_workers: int, block: int):
-    starts = np.arange(num_workers) * block
-    sizes = np.clip(num_elements - starts, 0, block)
-    return jnp.asarray(starts, jnp.int32), jnp.asarray(sizes, jnp.int32)
-
   def init_state(residual, num_elements, num_workers):
-    block, per_block = geometry(num_elements, num_workers)
-    starts, sizes = block_ranges(num_elements, num_workers, block)
+    block, per_block = block_geometry(density, num_elements, num_workers)
     return SparDLState(
         residual=residual,
-        stats=_stats.initial_stats(0.0, starts, sizes),
-        rounds=rounds_of(num_workers, per_block),
+        stats=_stats.initial_stats(0.0, *block_ranges(num_elements, num_workers, block)),
+        rounds=rounds_of(schedule, num_workers, per_block),
     )
 
-  def step(accumulated, state, n):
-    num_elements = accumulated.shape[0]
-    block, per_block = geometry(num_elements, n)
-    blocks = jnp.pad(accumulated, (0, n * block - num_elements)).reshape(n, block)
-    rank = jax.lax.axis_index(axis_name)
-    # Rolled frame: row j is block (rank + j) mod n; row 0 is the owned block.
-    order = (rank + jnp.arange(n, dtype=jnp.int32)) % n
-    copies = blocks[order]
-    dropped = jnp.zeros_like(copies)
-
-    # Spar-Reduce-Scatter: one message per round, the pairs as int32 [blocks, 2 k_b].
-    for round_ in _schedule(schedule, n):
-      send = np.asarray(round_.send_rows)
-      recv = np.asarray(round_.recv_rows)
-      indices, values, rest = _top_k(copies[send], per_block)
-      dropped = dropped.at[send].set(rest)
-      permutation = [(r, (r + round_.shift) % n) for r in range(n)]
-      message = jnp.concatenate([indices, _collectives.float_bits(values)], axis=1)
-      message = jax.lax.ppermute(message, axis_name, permutation)
-      indices = message[:, :per_block]
-      copies = copies.at[recv[:, None], indices].add(
-          _collectives.bits_float(message[:, per_block:])
-      )
-
-    # The owner's final top-k_b, then the Spar-All-Gather.
-    own_indices, own_values, own_rest = _top_k(copies[:1], per_block)
-    dropped = dropped.at[0].set(own_rest[0])
-    own = jnp.concatenate([own_indices[0], _collectives.float_bits(own_values[0])])
-    gathered = _collectives.all_gather(own, axis_name)
-    gathered_indices = gathered[:, :per_block]  # [n, k_b], in block coordinates
-    gathered_values = _collectives.bits_float(gathered[:, per_block:])
-    block_offsets = jnp.arange(n, dtype=jnp.int32)[:, None] * block
-    flat_indices = (gathered_indices + block_offsets).reshape(-1)  # padding: >= N, dropped
-
-    # Global residual collection: outside the final lists the worker keeps its
-    # own originals (the shell's accumulated gradient), inside them what it
-    # dropped itself.
-    unrolled = (jnp.arange(n, dtype=jnp.int32) - rank) % n
-    kept = dropped[unrolled].reshape(-1)[flat_indices]
-    # XLA computes the mean as a product with a rounded 1/n: within 1 ulp of the sum / n.
-    sparse = _exchange.SparseUpdate(flat_indices, gathered_values.reshape(-1) / n, kept)
-
-    real = gathered_indices + block_offsets < num_elements
-    workloads = jnp.sum(real, axis=1, dtype=jnp.int32)
-    transmitted = jnp.sum(workloads)
-    threshold = jnp.min(jnp.where(real, jnp.abs(gathered_values) / n, jnp.inf))
-    threshold = jnp.where(transmitted > 0, threshold, 0.0).astype(jnp.float32)
-    stats = state.stats._replace(
-        threshold=threshold,
-        selected=transmitted,
-        transmitted=transmitted,
-        overflow=jnp.zeros((), jnp.int32),
-        workloads=workloads,
-        imbalance=_stats.imbalance_of(workloads),
-        bytes_sent=_stats.static_bytes(2 * (n - 1) * per_block * PAIR_BYTES),
-        target=jnp.int32(_options.target_count(density, num_elements)),
-    )
-    return sparse, state._replace(stats=stats)
+  def step(accumulated, state, num_workers):
+    return spardl_step(accumulated, state, num_workers, density=density, schedule=schedule,
+                       axis_name=axis_name)
 
   return _feedback.error_feedback_transform(
       axis_name=axis_name, init_state=init_state,
       step=_density_schedule.single_level_step(density, step, axis_name),
   )
+
+
+def block_geometry(density: float, num_elements: int, num_workers: int) -> tuple[int, int]:
+  """``(L, k_b)``: block length ``ceil(N / n)`` and pairs sent per block."""
+  block = -(-num_elements // num_workers)
+  return block, max(1, math.floor(density * block))
+
+
+def rounds_of(schedule: str, num_workers: int, per_block: int) -> SparDLRounds:
+  """The `SparDLRounds` of ``schedule`` on ``n`` workers (static)."""
+  schedule_rounds = _schedule(schedule, num_workers)
+  gather = _bruck_sizes(num_workers)
+  pair = per_block * PAIR_BYTES
+  return SparDLRounds(
+      reduce_scatter_rounds=jnp.int32(len(schedule_rounds)),
+      reduce_scatter_bytes=_saturated([len(r.send_rows) * pair for r in schedule_rounds]),
+      all_gather_rounds=jnp.int32(len(gather)),
+      all_gather_bytes=_saturated([size * pair for size in gather]),
+  )
+
+
+def block_ranges(num_elements: int, num_workers: int, block: int) -> tuple[jax.Array, jax.Array]:
+  """int32 ``[n]`` first element and length of each worker's block (the last one short)."""
+  starts = np.arange(num_workers) * block
+  sizes = np.clip(num_elements - starts, 0, block)
+  return jnp.asarray(starts, jnp.int32), jnp.asarray(sizes, jnp.int32)
+
+
+def spardl_step(accumulated: jax.Array, state: SparDLState, n: int, *, density: float,
+                schedule: str, axis_name: str) -> tuple[_exchange.SparseUpdate, SparDLState]:
+  """One SparDL step on this worker's ``a = g + m``: the sparse reduce-scatter, then the
+  all-gather of the owners' top-``k_b``; the shell writes the residual."""
+  num_elements = accumulated.shape[0]
+  block, per_block = block_geometry(density, num_elements, n)
+  blocks = jnp.pad(accumulated, (0, n * block - num_elements)).reshape(n, block)
+  rank = jax.lax.axis_index(axis_name)
+  # Rolled frame: row j is block (rank + j) mod n; row 0 is the owned block.
+  order = (rank + jnp.arange(n, dtype=jnp.int32)) % n
+  copies = blocks[order]
+  dropped = jnp.zeros_like(copies)
+
+  # Spar-Reduce-Scatter: one message per round, the pairs as int32 [blocks, 2 k_b].
+  for round_ in _schedule(schedule, n):
+    send = np.asarray(round_.send_rows)
+    recv = np.asarray(round_.recv_rows)
+    indices, values, rest = _top_k(copies[send], per_block)
+    dropped = dropped.at[send].set(rest)
+    permutation = [(r, (r + round_.shift) % n) for r in range(n)]
+    message = jnp.concatenate([indices, _collectives.float_bits(values)], axis=1)
+    message = jax.lax.ppermute(message, axis_name, permutation)
+    indices = message[:, :per_block]
+    copies = copies.at[recv[:, None], indices].add(
+        _collectives.bits_float(message[:, per_block:])
+    )
+
+  # The owner's final top-k_b, then the Spar-All-Gather.
+  own_indices, own_values, own_rest = _top_k(copies[:1], per_block)
+  dropped = dropped.at[0].set(own_rest[0])
+  own = jnp.concatenate([own_indices[0], _collectives.float_bits(own_values[0])])
+  gathered = _collectives.all_gather(own, axis_name)
+  gathered_indices = gathered[:, :per_block]  # [n, k_b], in block coordinates
+  gathered_values = _collectives.bits_float(gathered[:, per_block:])
+  block_offsets = jnp.arange(n, dtype=jnp.int32)[:, None] * block
+  flat_indices = (gathered_indices + block_offsets).reshape(-1)  # padding: >= N, dropped
+
+  # Global residual collection: outside the final lists the worker keeps its
+  # own originals (the shell's accumulated gradient), inside them what it
+  # dropped itself.
+  unrolled = (jnp.arange(n, dtype=jnp.int32) - rank) % n
+  kept = dropped[unrolled].reshape(-1)[flat_indices]
+  # XLA computes the mean as a product with a rounded 1/n: within 1 ulp of the sum / n.
+  sparse = _exchange.SparseUpdate(flat_indices, gathered_values.reshape(-1) / n, kept)
+
+  real = gathered_indices + block_offsets < num_elements
+  workloads = jnp.sum(real, axis=1, dtype=jnp.int32)
+  transmitted = jnp.sum(workloads)
+  threshold = jnp.min(jnp.where(real, jnp.abs(gathered_values) / n, jnp.inf))
+  threshold = jnp.where(transmitted > 0, threshold, 0.0).astype(jnp.float32)
+  stats = state.stats._replace(
+      threshold=threshold,
+      selected=transmitted,
+      transmitted=transmitted,
+      overflow=jnp.zeros((), jnp.int32),
+      workloads=workloads,
+      imbalance=_stats.imbalance_of(workloads),
+      bytes_sent=_stats.static_bytes(2 * (n - 1) * per_block * PAIR_BYTES),
+      target=jnp.int32(n * per_block),  # k_b pairs per block: floor(d N) or a little less
+  )
+  return sparse, state._replace(stats=stats)

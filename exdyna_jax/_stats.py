@@ -76,7 +76,8 @@ class SparsifierStats(NamedTuple):
       ``high * 2**31 + low`` (JAX computes in 32 bits unless x64 is on, and a
       dense run's bytes pass ``2**31`` within a few steps).
     target: int32 ``k``, the indices the last step was asked to transmit
-      (its density level's with a schedule; ``N`` for a dense step; 0 before
+      (its density level's with a schedule; ``N`` for a dense step; SparDL's
+      ``n k_b`` pairs, ``k_b = max(1, floor(d N / n))`` per block; 0 before
       the first step, and for ``hard_threshold(threshold=...)``, which has
       no ``k``): ``transmitted / target`` is what was sent against what was
       asked for.
