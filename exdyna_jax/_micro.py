@@ -8,9 +8,9 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax import _exdyna, _partition
+from exdyna_jax import _exdyna, _options, _partition
 
-DEFAULT_CAPACITY_FACTOR = 1.5
+DEFAULT_CAPACITY_FACTOR = _options.REFERENCE_CAPACITY_FACTOR  # the published buffers
 
 
 def micro(

@@ -29,12 +29,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax import _dense, _exdyna, _feedback, _options, _spardl, _stats
+from exdyna_jax import _options, _stats
 
-# Every sparsifier's state (all but dense's hold a residual).
-SPARSIFIER_STATES = (
-    _exdyna.ExDynaState, _feedback.ErrorFeedbackState, _spardl.SparDLState, _dense.DenseState
-)
 CARRIED_FIELDS = ("threshold", "step", "target_correction")  # identical on every worker
 
 
@@ -103,7 +99,7 @@ def resize_workers(
         lambda new, old: _resize(new, old, num_workers),
         fresh,
         state,
-        is_leaf=lambda x: isinstance(x, SPARSIFIER_STATES),
+        is_leaf=_stats.is_sparsifier_state,
     )
   except ValueError as error:  # structures differ
     raise ValueError(
@@ -112,13 +108,13 @@ def resize_workers(
 
 
 def _resize(new: Any, old: Any, num_workers: int) -> Any:
-  if isinstance(new, SPARSIFIER_STATES) and type(old) is not type(new):
+  if _stats.is_sparsifier_state(new) and type(old) is not type(new):
     raise ValueError(
         f"The sparsifier's state is {type(old).__name__}; tx.init makes {type(new).__name__}: "
         "it was trained with another method (or restored without a target, as plain "
         "containers). Pass the tx it was trained with; to change methods, init a fresh state."
     )
-  if not isinstance(new, SPARSIFIER_STATES):  # the same on every worker: worker 0's copy
+  if not _stats.is_sparsifier_state(new):  # the same on every worker: worker 0's copy
     if jnp.shape(old)[1:] != jnp.shape(new)[1:]:
       raise ValueError(
           f"A leaf of shape {jnp.shape(old)[1:]} per worker is {jnp.shape(new)[1:]} for "
@@ -132,7 +128,7 @@ def _resize(new: Any, old: Any, num_workers: int) -> Any:
   for name in CARRIED_FIELDS:
     if name in new._fields:
       carried[name] = jnp.broadcast_to(getattr(old, name)[0], getattr(new, name).shape)
-  if isinstance(new, _exdyna.ExDynaState) and old.block_workloads.shape[1:] == (
+  if "block_workloads" in new._fields and old.block_workloads.shape[1:] == (
       new.block_workloads.shape[1:]
   ):
     carried["block_workloads"] = jnp.broadcast_to(

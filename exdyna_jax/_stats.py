@@ -124,6 +124,14 @@ class SparsifierStats(NamedTuple):
   target_total: jax.Array = np.zeros(2, np.int32)  # the guard's
 
 
+def is_sparsifier_state(node: Any) -> bool:
+  """Whether ``node`` is a sparsifier's state: a ``NamedTuple`` holding `SparsifierStats`.
+
+  Every method's state is one (a new method's too), so nothing lists them.
+  """
+  return isinstance(node, tuple) and isinstance(getattr(node, "stats", None), SparsifierStats)
+
+
 def read_totals(stats: SparsifierStats) -> dict[str, int]:
   """The run so far, as Python ints, from stats with or without the worker axis.
 
