@@ -35,6 +35,11 @@ def drop_worker_axis(tree):
   return jax.tree.map(lambda x: x[0], tree)
 
 
+# Worker 0's slice of every leaf in one program: one dispatch, not one per leaf
+# (sixteen eager slices of sharded stats cost about 12 ms on 8 CPU devices).
+first_worker = jax.jit(drop_worker_axis)
+
+
 class DataParallel(NamedTuple):
   """Data-parallel training with a sparsifier, under ``jax.jit`` or ``jax.shard_map``.
 
@@ -211,7 +216,7 @@ def data_parallel(
   step = functools.partial(step_decorator, mesh, axis_name)
 
   def stats(opt_state):
-    return drop_worker_axis(_stats.get_stats(opt_state))
+    return first_worker(_stats.get_stats(opt_state))
 
   return DataParallel(init, step, update, value_and_grad, stats, tx, mesh, axis_name)
 
