@@ -2,7 +2,7 @@
 
 Run (as root, or in an unprivileged user namespace; see docs/multihost.md):
 
-  python benchmarks/cluster.py [--quick] [--workers 2,4,8] [--rates 100mbit,1gbit,unshaped]
+  python -m benchmarks.cluster [--quick] [--workers 2,4,8] [--rates 100mbit,1gbit,unshaped]
 
 For each worker count ``n`` and link rate, ``python -m exdyna_jax.launch
 --processes n --link-rate RATE`` runs `cluster_worker.py`, which times the
@@ -38,13 +38,13 @@ import json
 import pathlib
 import sys
 
-import _common
 import numpy as np
 
+from benchmarks import _common
 from exdyna_jax import _shaped_links
 from exdyna_jax.demo import cluster
 
-WORKER = [sys.executable, str(pathlib.Path(__file__).with_name("cluster_worker.py"))]
+WORKER = [sys.executable, "-m", "benchmarks.cluster_worker"]
 # The demo's worker and settings (`exdyna-jax demo --processes 4 --method exdyna topk`).
 ACCURACY_WORKER = [sys.executable, "-m", cluster.WORKER_MODULE, "--task=digits-wide",
                    "--variants=dense,exdyna,exdyna_warmup,topk"]

@@ -1,6 +1,6 @@
 """Measured CPU collectives: an alpha-beta fit, and a check of the scale model.
 
-Run: python benchmarks/collectives.py [--quick] [--traffic FILE] [--out FILE]
+Run: python -m benchmarks.collectives [--quick] [--traffic FILE] [--out FILE]
 
 1. Times ``psum`` (all-reduce), ``all_gather`` and ``ppermute``
    (collective-permute) of float32 buffers (op results from 4 KB to 64 MB) on
@@ -25,8 +25,7 @@ import statistics
 import sys
 import time
 
-import _common
-
+from benchmarks import _common
 from exdyna_jax.demo import hlo
 
 _common.force_devices(8)

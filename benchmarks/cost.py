@@ -1,6 +1,6 @@
 """Update time per step of every registered method vs dense psum and the floor.
 
-Run: python benchmarks/cost.py [--quick] [--budget SECONDS] [--out FILE]
+Run: python -m benchmarks.cost [--quick] [--budget SECONDS] [--out FILE]
 
 One process, 8 forced CPU devices; a configuration ``(N, n, d)`` uses the
 first ``n`` devices. For each configuration every method's real step
@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 
-import _common
+from benchmarks import _common
 
 _common.force_devices(8)
 

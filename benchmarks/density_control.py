@@ -22,7 +22,7 @@ once with ``PYTHONPATH`` pointing at an older checkout ("before"); runs with
 the same label in ``--out`` are replaced, the others kept, so the report can
 compare both.
 
-Run: python benchmarks/density_control.py [--steps 600] [--label after]
+Run: python -m benchmarks.density_control [--steps 600] [--label after]
      [--workers 8] [--seed 0] [--workloads digits_mlp,...]
      [--methods exdyna,micro] [--out FILE]
 """

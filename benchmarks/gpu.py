@@ -23,7 +23,7 @@ Writes ``results/gpu.json`` (``device``, ``exdyna_over_floor`` and
 ``topk_over_exdyna`` at N = 25M, d = 0.001, and the full table) unless
 ``--out`` says otherwise. ``--quick`` runs small sizes (for CPU and tests).
 
-Run: python benchmarks/gpu.py [--quick] [--out FILE] [--repeats 20] [--methods a,b,...]
+Run: python -m benchmarks.gpu [--quick] [--out FILE] [--repeats 20] [--methods a,b,...]
 """
 
 from __future__ import annotations

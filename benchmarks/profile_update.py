@@ -1,6 +1,6 @@
 """Where the ExDyna update spends its time: memory passes and timing variants.
 
-Run: python benchmarks/profile_update.py [--quick] [--out FILE]
+Run: python -m benchmarks.profile_update [--quick] [--out FILE]
 
 At the target configuration (``N = 11.2M``, ``n = 8``, ``d = 0.001``):
 
@@ -25,12 +25,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-import _common
-import cost
-import hlo_memory
 import jax
 import jax.numpy as jnp
 from jax import P
+
+from benchmarks import _common, cost, hlo_memory
 
 AXIS = _common.AXIS
 

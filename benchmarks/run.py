@@ -1,6 +1,6 @@
 """Regenerates every benchmark result and the report, in one command.
 
-Run: python benchmarks/run.py [--quick] [--only traffic,cost,...] [--results DIR]
+Run: python -m benchmarks.run [--quick] [--only traffic,cost,...] [--results DIR]
 
 Each part runs in its own process (they force different CPU device counts):
 
@@ -56,15 +56,15 @@ def commands(results: pathlib.Path, quick: bool, cost_budget: float) -> dict[str
   traffic = ["--traffic", str(results / "traffic.json")]
   density = ["--steps", "60", "--densities", "0.01"] if quick else []
   return {
-    "traffic": ["traffic.py", *q, *out["traffic"]],
-    "scale_model": ["scale_model.py", *traffic, *out["scale_model"]],
-    "collectives": ["collectives.py", *q, *traffic, *out["collectives"]],
-    "density_control": ["density_control.py", *density, *out["density_control"]],
-    "training_options": ["training_options.py", *q, *out["training_options"]],
-    "profile": ["profile_update.py", *q, *out["profile"]],
-    "cost": ["cost.py", *q, "--budget", str(cost_budget), *out["cost"]],
-    "cluster": ["cluster.py", *q, *out["cluster"]],
-    "report": ["report.py", "--results", str(results)],
+    "traffic": ["traffic", *q, *out["traffic"]],
+    "scale_model": ["scale_model", *traffic, *out["scale_model"]],
+    "collectives": ["collectives", *q, *traffic, *out["collectives"]],
+    "density_control": ["density_control", *density, *out["density_control"]],
+    "training_options": ["training_options", *q, *out["training_options"]],
+    "profile": ["profile_update", *q, *out["profile"]],
+    "cost": ["cost", *q, "--budget", str(cost_budget), *out["cost"]],
+    "cluster": ["cluster", *q, *out["cluster"]],
+    "report": ["report", "--results", str(results)],
   }
 
 
@@ -88,9 +88,9 @@ def main():
   for part in PARTS:
     if part not in wanted:
       continue
-    script, *rest = cmds[part]
+    module, *rest = cmds[part]
     print(f"== {part} ({time.perf_counter() - start:.0f}s)", file=sys.stderr, flush=True)
-    code = subprocess.call([sys.executable, str(HERE / script), *rest], cwd=HERE.parent)
+    code = subprocess.call([sys.executable, "-m", f"benchmarks.{module}", *rest], cwd=HERE.parent)
     if code:
       failed.append(part)
       print(f"!! {part} failed with exit code {code}", file=sys.stderr, flush=True)

@@ -1,6 +1,6 @@
 """Alpha-beta model of communication time per step, from the compiled programs.
 
-Run: python benchmarks/scale_model.py [--traffic FILE] [--out FILE]
+Run: python -m benchmarks.scale_model [--traffic FILE] [--out FILE]
 
 **One level** (``predictions``). For each method, density and ``n`` (8 to
 1024 workers, each compiled for real in ``traffic.py``), the time of one
@@ -61,7 +61,7 @@ import json
 import math
 import sys
 
-import _common
+from benchmarks import _common
 
 LINKS_GBPS = (10, 25, 100, 400)
 ALPHA_SECONDS = 5e-6

@@ -18,8 +18,8 @@ would show up as diverged copies. Steps run in jitted chunks of
 
 Usage::
 
-  python benchmarks/soak.py                       # 10,000 steps, every method
-  python benchmarks/soak.py --steps 500 --methods exdyna micro --out soak.json
+  python -m benchmarks.soak                       # 10,000 steps, every method
+  python -m benchmarks.soak --steps 500 --methods exdyna micro --out soak.json
 
 ``tests/test_soak.py`` runs a short version in the test suite.
 """

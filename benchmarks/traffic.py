@@ -1,6 +1,6 @@
 """Per-worker traffic counted from the compiled program, and its memory.
 
-Run: python benchmarks/traffic.py [--quick] [--out FILE]
+Run: python -m benchmarks.traffic [--quick] [--out FILE]
 
 For every registered method, density and worker count ``n``, the real step
 (``jax.shard_map`` of ``tx.update`` on one flat float32 gradient of ``N``
@@ -24,8 +24,7 @@ import argparse
 import sys
 import time
 
-import _common
-
+from benchmarks import _common
 from exdyna_jax.demo import hlo
 
 _common.force_devices(1024)

@@ -10,7 +10,7 @@ one worker sent per step (the library's count, which follows the level).
 It also measures the bytes per step at the cost benchmark's configuration
 (N = 11.2M, n = 8, d = 0.001) in float32 and bfloat16 from one step.
 
-Run: python benchmarks/training_options.py [--quick] [--out results/training_options.json]
+Run: python -m benchmarks.training_options [--quick] [--out results/training_options.json]
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import pathlib
 import statistics
 import sys
 
+from benchmarks import _common
+
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import _common  # noqa: E402
 
 VARIANTS = {
     "dense": ("dense", {}),

@@ -1,11 +1,11 @@
 """Update time per step of one configuration: ExDyna vs dense psum, the floor, Top-k.
 
-Run: python benchmarks/update_cost.py [--elements N] [--density D] [--workers n]
+Run: python -m benchmarks.update_cost [--elements N] [--density D] [--workers n]
      [--repeats R] [--methods exdyna,dense,topk_ef]
 
 A single configuration of the cost grid in ``cost.py`` (same programs, same
 interleaved timing), printed as JSON. The full grid and the report:
-``python benchmarks/run.py``.
+``python -m benchmarks.run``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-import _common
-import cost
+from benchmarks import _common, cost
 
 
 def main():

@@ -5,17 +5,13 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-import sys
+
+from benchmarks import gpu
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_quick_run_writes_the_ratios_and_the_table(tmp_path):
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  try:
-    import gpu
-  finally:
-    sys.path.remove(str(ROOT / "benchmarks"))
   out = tmp_path / "gpu.json"
   # The step itself is tested elsewhere; compiling micro and the reference
   # controller too would only repeat that here.

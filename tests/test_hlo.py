@@ -7,14 +7,10 @@ through slices or gathers reads what those return, not the whole operand.
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-import hlo_memory
+from benchmarks import hlo_memory
 
 N = 1 << 20
 W = 1 << 16

@@ -8,25 +8,17 @@ copy of the parameters bit-identical to the others'.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import numpy as np
 import pytest
 
 import exdyna_jax
+from benchmarks import soak
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def load_soak():
-  spec = importlib.util.spec_from_file_location("soak", os.path.join(ROOT, "benchmarks", "soak.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-soak = load_soak()
 
 
 @pytest.mark.parametrize("method", exdyna_jax.available_sparsifiers())

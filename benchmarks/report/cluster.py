@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import matplotlib.pyplot as plt
-
+from benchmarks.report._format import plt
 from exdyna_jax.demo import cluster
 
 TARGET_WORKERS, TARGET_RATE = "4", "1gbit"
@@ -96,14 +95,14 @@ def _accuracy_tables(rep, accuracy: dict, table) -> list[str]:
 def cluster_section(rep, cluster: dict[str, Any] | None, table) -> None:
   """Adds the emulated-cluster section and its targets to ``rep``."""
   if not cluster:
-    rep.add("## Emulated cluster\n\nNo `cluster.json` (run `python benchmarks/cluster.py`).")
+    rep.add("## Emulated cluster\n\nNo `cluster.json` (run `python -m benchmarks.cluster`).")
     return
   summary = cluster["summary"]
   rows_of = summary.get(TARGET_WORKERS, {})
   parts = [
       "## Emulated cluster: the train step over shaped links",
       "",
-      "`python benchmarks/cluster.py` (as root): worker processes, each in a network "
+      "`python -m benchmarks.cluster` (as root): worker processes, each in a network "
       "namespace of its own behind a link shaped both ways (`python -m exdyna_jax.launch "
       "--link-rate`), time the donated `data_parallel(...).step` of a 4.7M-parameter MLP "
       "(256-2048-2048-10, 32 examples per worker, d = 0.001). Step: mean wall-clock ms over "

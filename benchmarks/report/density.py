@@ -1,0 +1,172 @@
+"""Sections 4-5: the density sent, balance and overflow over training; training options."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks.report._format import (
+  Report,
+  plt,
+  short,
+  table,
+)
+
+# ------------------------------------------------------------ 4-5. density, balance
+
+
+WORKLOAD_NAMES = {
+  "digits_mlp": "digits MLP (the demo's)",
+  "mlp_1m": "MLP, hidden 1024",
+  "char_transformer": "char transformer",
+  "cnn_1d": "1-D CNN",
+  "positional": "positional profile",
+  "heterogeneous": "heterogeneous workers",
+}
+
+
+def _panels(runs: list[dict]) -> list[tuple[str, float]]:
+  seen = []
+  for r in runs:
+    if (r["workload"], r["density"]) not in seen:
+      seen.append((r["workload"], r["density"]))
+  return seen
+
+
+def density_sections(rep: Report, density: dict | None) -> None:
+  rep.add("## 4. Density sent: indices transmitted / k")
+  if not density or not all("label" in r for r in density["runs"]):
+    rep.add("_No `density_control.json` in this format._")
+    rep.add("## 5. Balance")
+    return
+  runs = density["runs"]
+  targets_workers = next(
+    (r.get("workers", density["workers"]) for r in runs if r["label"] == "after"),
+    density["workers"],
+  )
+  rep.add(
+    f"`benchmarks/density_control.py`: n = {targets_workers} workers simulated with "
+    f"`jax.vmap(axis_name=)`, {density['steps']} steps, default `exdyna(d)`. What the user "
+    "gets: sent/k = indices transmitted over k = floor(d N) (1 is what was asked for); "
+    "overflow = elements that passed the threshold but were not sent (they stay in "
+    "the residual); imbalance = max / mean of the partitions' pass counts; bytes = what one "
+    "worker sends per step (`stats.bytes_sent`). All over steps 21..end. 'before' is the "
+    "library before the balanced partitioner (neighbour rule, `capacity_factor=1.5`, "
+    "controller steering what passed the threshold), run by the same script; "
+    "'after-n4' and 'after-n16' are the current library on 4 and 16 workers (column n), "
+    "a check beyond the 8 the targets are set for."
+  )
+  rows = []
+  for r in runs:
+    s = r["summary"]
+    metric = next(iter(r.get("metrics") or {}), None)
+    shown = "" if metric is None else f"{metric.replace('_', ' ')} {r['metrics'][metric]:.4g}"
+    rows.append(
+      [
+        WORKLOAD_NAMES.get(r["workload"], r["workload"]),
+        f"{r['elements']:,}",
+        r["density"],
+        r["target"],
+        r.get("workers", density["workers"]),
+        r["label"],
+        f"{s['median_sent_over_k']:.3f}",
+        f"{100 * s['median_abs_sent_error']:.1f} %",
+        f"{100 * s['p90_abs_sent_error']:.1f} %",
+        f"{100 * s['mean_overflow_over_k']:.2f} %",
+        f"{s['median_imbalance']:.2f}",
+        f"{s['bytes_sent']:,}",
+        shown,
+      ]
+    )
+    if r["label"] == "after":
+      bound = 0.05 if r["workload"] == "heterogeneous" else 0.03
+      name = f"{r['workload']} d={r['density']}"
+      rep.target(f"{name}: median error of sent/k", f"<= {bound:.0%}",
+                 f"{100 * s['median_abs_sent_error']:.1f} %", s["median_abs_sent_error"] <= bound)
+      if r["workload"] != "heterogeneous":
+        rep.target(f"{name}: overflow / k", "<= 1 %", f"{100 * s['mean_overflow_over_k']:.2f} %",
+                   s["mean_overflow_over_k"] <= 0.01)
+  rep.add(
+    table(
+      ["workload", "N", "d", "k", "n", "library", "sent/k", "median err", "p90 err",
+       "overflow / k", "imbalance", "bytes/step", "after training"],
+      rows,
+    )
+  )
+  panels = _panels(runs)
+  columns = min(4, len(panels))
+  grid = -(-len(panels) // columns)
+  for field, name, ylabel in (
+    ("transmitted", "density_control.png", "sent / k"),
+    ("imbalance", "balance.png", "imbalance (max / mean)"),
+  ):
+    fig, axes = plt.subplots(grid, columns, figsize=(4.2 * columns, 3.2 * grid), squeeze=False)
+    for ax, (workload, d) in zip(axes.flat, panels, strict=False):
+      for r in runs:
+        if (r["workload"], r["density"]) == (workload, d):
+          values = np.asarray(r[field], float)
+          if field == "transmitted":
+            values = values / r["target"]
+          ax.plot(np.arange(1, len(values) + 1), values, lw=0.8,
+                  ls="-" if r["label"] == "after" else ":", label=r["label"])
+      if field == "transmitted":
+        ax.axhspan(0.97, 1.03, color="g", alpha=0.15)
+      ax.set_title(f"{WORKLOAD_NAMES.get(workload, workload)}, d = {d}", fontsize=9)
+      ax.set_xlabel("step")
+      ax.set_ylabel(ylabel)
+    for ax in list(axes.flat)[len(panels):]:
+      ax.axis("off")
+    axes[0][0].legend(fontsize=7)
+    rep.add(rep.save_plot(fig, name))
+  rep.add("## 5. Balance")
+  rep.add(
+    "The imbalance plot above: the balanced partitioner re-cuts every partition each step "
+    "from the measured block workload, so what remains is the count's swing from step to "
+    "step (about +-35 % per partition on the trained models, where whole layers' shares of "
+    "the selection change with the batch); the default capacity `C = (2.3 + 4 / sqrt(k/n)) "
+    "k/n` absorbs it, and only about 1.1 k values are summed whatever `C`."
+  )
+
+
+def training_options_section(rep: Report, options: dict | None) -> None:
+  if not options:
+    rep.add("## Density warm-up and bfloat16 values\n\nNot run (`training_options.py`).")
+    return
+  rows = []
+  dense = {}
+  for row in options["rows"]:
+    key = (row["model"], row["density"])
+    if row["variant"] == "dense":
+      dense[key] = row
+    base = dense.get(key)
+    shown = f"{100 * row['value']:.2f} %" if "accuracy" in row["metric"] else f"{row['value']:.3f}"
+    if base is None or row is base:
+      delta = "-"
+    elif "accuracy" in row["metric"]:
+      delta = f"{100 * (row['value'] - base['value']):+.2f} pt"
+    else:
+      delta = f"{100 * (row['value'] / base['value'] - 1):+.2f} %"
+    ratio = "-" if base is None else f"{row['mean_bytes_sent'] / base['mean_bytes_sent']:.3f}"
+    rows.append([
+        row["model"], row["density"], row["variant"], row["metric"].replace("_", " "), shown,
+        delta, f"{row['mean_density_sent']:.3%}", f"{row['mean_bytes_sent'] / 1e3:,.1f} kB", ratio,
+    ])
+  wire = options["wire"]
+  f32, bf16 = wire["bytes"]["float32"], wire["bytes"]["bfloat16"]
+  rep.target("bytes per step, bf16 values / float32", "<= 0.8", f"{bf16 / f32:.3f}",
+             bf16 <= 0.8 * f32)
+  rep.add(
+      "## Density warm-up and bfloat16 values\n\n"
+      "`python -m benchmarks.training_options`: each model trained on 8 simulated workers "
+      f"for {options['rows'][0]['steps']} steps with the same batches per variant "
+      "(the demo's trainer). *warm-up*: `density=exdyna_jax.dgc_warmup(d, "
+      "steps_per_level=25)` (25 %, 6.25 %, 1.56 %, ... then `d`, 25 steps each); "
+      "*bf16 values*: `value_dtype=\"bfloat16\"`. Bytes: mean per worker per step, "
+      "the library's count (it follows the warm-up's levels); ratio to dense.\n\n"
+      + table(["model", "d", "variant", "metric", "value", "vs dense", "density sent",
+                "bytes/step", "bytes vs dense"], rows)
+      + f"\n\nOne ExDyna step at N = {short(wire['num_elements'])}, n = 8, d = 0.001 "
+      f"sends {f32:,} bytes per worker with float32 values and {bf16:,} with bfloat16 "
+      f"({bf16 / f32:.3f}): the index all-gather is unchanged, the value all-reduce "
+      "halves. (XLA's CPU backend widens a bfloat16 all-reduce to float32 before "
+      "reducing; GPU collectives keep it.)"
+  )

@@ -1,0 +1,87 @@
+"""Section 6: the bytes one step reads and writes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks.report._format import (
+  Report,
+  mb,
+  plt,
+  short,
+  table,
+)
+
+# ----------------------------------------------------------------------- 6. memory
+
+
+def memory_section(rep: Report, traffic: dict | None) -> None:
+  rep.add("## 6. Memory per device of the update (`compiled.memory_analysis()`)")
+  rows8 = [r for r in (traffic or {}).get("rows", []) if r["workers"] == 8 and "memory" in r]
+  if not rows8:
+    rep.add("_No memory analysis in `traffic.json`._")
+    return
+  size = traffic["elements"]
+  rep.add(
+    f"n = 8, N = {size:,} (one float32 vector = {mb(4 * size)} MiB), state donated as in "
+    "training. Arguments = gradient + optimizer state; outputs = update + new state; "
+    "aliased = output buffers that reuse the donated state; "
+    "peak estimate = arguments + outputs - aliased + temporaries."
+  )
+  for density in traffic["densities"]:
+    rows = []
+    dense = next((r for r in rows8 if r["method"] == "dense" and r["density"] == density), None)
+    dense_peak = None
+    if dense:
+      m = dense["memory"]
+      dense_peak = m["argument"] + m["output"] - m["alias"] + m["temp"]
+    for r in rows8:
+      if r["density"] != density:
+        continue
+      m = r["memory"]
+      peak = m["argument"] + m["output"] - m["alias"] + m["temp"]
+      rows.append(
+        [
+          r["method"],
+          mb(m["argument"]),
+          mb(m["output"]),
+          mb(m["alias"]),
+          mb(m["temp"]),
+          mb(peak),
+          f"{peak / (4 * size):.1f}",
+          f"{peak / dense_peak:.2f}" if dense_peak else "",
+        ]
+      )
+    rep.add(
+      f"### d = {density} (MiB)\n\n"
+      + table(
+        [
+          "method",
+          "arguments",
+          "outputs",
+          "aliased",
+          "temporaries",
+          "peak estimate",
+          "peak / 4N",
+          "peak / dense",
+        ],
+        rows,
+      )
+    )
+  density = traffic["densities"][0]
+  fig, ax = plt.subplots(figsize=(8, 3.5))
+  sel = [r for r in rows8 if r["density"] == density]
+  names = [r["method"] for r in sel]
+  base = (
+    np.array(
+      [(r["memory"]["argument"] + r["memory"]["output"] - r["memory"]["alias"]) for r in sel]
+    )
+    / 2**20
+  )
+  temp = np.array([r["memory"]["temp"] for r in sel]) / 2**20
+  ax.barh(names, base, label="arguments + outputs - aliased")
+  ax.barh(names, temp, left=base, label="temporaries")
+  ax.set_xlabel("MiB per device")
+  ax.set_title(f"Memory of the update, n = 8, d = {density}, N = {short(size)}")
+  ax.legend(fontsize=7)
+  rep.add(rep.save_plot(fig, "memory.png"))
