@@ -97,15 +97,7 @@ def train(method: str, args: argparse.Namespace, mesh: jax.sharding.Mesh,
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-  parser = report.example_parser(__doc__.split("\n\n")[0], "runs/nnx_shard_map")
-  args = parser.parse_args(argv)
-
-  mesh = jax.make_mesh((8,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
-                       devices=jax.devices()[:8])
-  split = data.load_digits_split()
-  return report.compare(
-      lambda method: train(method, args, mesh, split, args.out), args.method, args.out
-  )
+  return report.example_main(__doc__.split("\n\n")[0], "runs/nnx_shard_map", train, argv)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,13 @@ class Report:
   def add(self, text: str) -> None:
     self.parts.append(text.strip() + "\n")
 
+  def begin(self, title: str, data: Any, source: str) -> bool:
+    """Adds the section's title; says so and returns False where ``data`` is missing."""
+    self.add(title)
+    if not data:
+      self.add(f"_No `{source}`._")
+    return bool(data)
+
   def target(self, what: str, goal: str, value: str, ok: bool | None) -> None:
     self.targets.append([what, goal, value, "n/a" if ok is None else verdict(ok)])
 

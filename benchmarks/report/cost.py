@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-from benchmarks.report._format import (
-  COLORS,
-  TARGET,
-  Report,
-  ms,
-  plt,
-  short,
-  table,
-)
+from benchmarks.report._format import COLORS, TARGET, Report, ms, plt, short, table
 
 # --------------------------------------------------------------------------- 1. cost
 
 
 def cost_section(rep: Report, cost: dict | None) -> None:
-  rep.add("## 1. Cost: update time per step")
-  if not cost:
-    rep.add("_No `cost.json`._")
+  if not rep.begin("## 1. Cost: update time per step", cost, "cost.json"):
     return
   rep.add(
     "Median wall time of one step over interleaved repeats (warm-up excluded), "
@@ -148,9 +138,8 @@ def cost_section(rep: Report, cost: dict | None) -> None:
 
 
 def profile_section(rep: Report, profile: dict | None, cost: dict | None) -> None:
-  rep.add("## 7. Profile: what stands between ExDyna and the floor")
-  if not profile:
-    rep.add("_No `profile.json`._")
+  title = "## 7. Profile: what stands between ExDyna and the floor"
+  if not rep.begin(title, profile, "profile.json"):
     return
   static = profile["static"]
   rows = [[name, f"{v['vectors']:.1f}"] for name, v in static.items()]

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.report._format import (
-  Report,
-  plt,
-  short,
-  table,
-)
+from benchmarks.report._format import Report, plt, short, table
 
 # ------------------------------------------------------------ 4-5. density, balance
 

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.report._format import (
-  Report,
-  mb,
-  plt,
-  short,
-  table,
-)
+from benchmarks.report._format import Report, mb, plt, short, table
 
 # ----------------------------------------------------------------------- 6. memory
 

@@ -5,21 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks import _common
-from benchmarks.report._format import (
-  COLORS,
-  Report,
-  ms,
-  plt,
-  table,
-)
+from benchmarks.report._format import COLORS, Report, ms, plt, table
 
 # -------------------------------------------------------------------- 3. scale model
 
 
 def scale_section(rep: Report, scale: dict | None, collectives: dict | None) -> None:
-  rep.add("## 3. Scale model: communication time per step, n = 8 to 1024")
-  if not scale:
-    rep.add("_No `scale_model.json`._")
+  title = "## 3. Scale model: communication time per step, n = 8 to 1024"
+  if not rep.begin(title, scale, "scale_model.json"):
     return
   alpha = scale["alpha_seconds"]
   rep.add(

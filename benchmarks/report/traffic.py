@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 from benchmarks import _common
-from benchmarks.report._format import (
-  COLORS,
-  Report,
-  plt,
-  short,
-  table,
-)
+from benchmarks.report._format import COLORS, Report, plt, short, table
 
 # ------------------------------------------------------------------------ 2. traffic
 
 
 def traffic_section(rep: Report, traffic: dict | None) -> None:
-  rep.add("## 2. Traffic: bytes per worker per step, from the compiled HLO")
-  if not traffic:
-    rep.add("_No `traffic.json`._")
+  title = "## 2. Traffic: bytes per worker per step, from the compiled HLO"
+  if not rep.begin(title, traffic, "traffic.json"):
     return
   size = traffic["elements"]
   rep.add(

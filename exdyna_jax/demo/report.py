@@ -12,6 +12,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from exdyna_jax.demo import data, trainer
 from exdyna_jax.demo.trainer import MethodRun
 
 
@@ -289,6 +290,18 @@ def example_parser(description: str, default_out: str) -> argparse.ArgumentParse
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(default_out))
   return parser
+
+
+def example_main(description: str, default_out: str, train: Callable[..., dict[str, Any]],
+                 argv: Sequence[str] | None) -> list[dict[str, Any]]:
+  """The ``main`` of the digits examples: their command line, 8 workers, dense vs one method.
+
+  ``train(method, args, mesh, split, out_dir)`` trains one method on the
+  digits and returns its `example_row`.
+  """
+  args = example_parser(description, default_out).parse_args(argv)
+  mesh, split = trainer.make_mesh(8), data.load_digits_split()
+  return compare(lambda method: train(method, args, mesh, split, args.out), args.method, args.out)
 
 
 def port_parser(description: str) -> argparse.ArgumentParser:
