@@ -154,6 +154,8 @@ def exdyna(
           "step from the measured workload) or 'reference' (the published neighbour rule)."
       )
     partitioner = PARTITIONERS[partitioner]
+  elif not isinstance(partitioner, _partition.Partitioner):
+    raise TypeError(f"partitioner must be 'balanced' or 'reference', got {partitioner!r}.")
   num_blocks = _options.check_num_blocks(num_blocks)
   spill = _options.check_flag(spill, "spill", "send the buffers' tails through shared slots")
   levels = _density_schedule.density_levels(density)

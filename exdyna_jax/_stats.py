@@ -77,7 +77,7 @@ class SparsifierStats(NamedTuple):
       dense run's bytes pass ``2**31`` within a few steps).
     target: int32 ``k``, the indices the last step was asked to transmit
       (its density level's with a schedule; ``N`` for a dense step; SparDL's
-      ``n k_b`` pairs, ``k_b = max(1, floor(d N / n))`` per block; 0 before
+      ``n k_b`` pairs, ``k_b = max(1, floor(d ceil(N / n)))`` per block; 0 before
       the first step, and for ``hard_threshold(threshold=...)``, which has
       no ``k``): ``transmitted / target`` is what was sent against what was
       asked for.

@@ -313,3 +313,5 @@ def test_numpy_integer_block_counts_are_accepted():
 def test_unknown_partitioner_is_rejected():
   with pytest.raises(ValueError, match=r"'balanced'.*'reference'"):
     exdyna_jax.exdyna(0.01, partitioner="greedy")
+  with pytest.raises(TypeError, match=r"'balanced' or 'reference', got 3"):
+    exdyna_jax.exdyna(0.01, partitioner=3)
