@@ -151,7 +151,7 @@ def partitioned_step(
     axis_name: str,
     value_dtype: Any,
 ) -> tuple[_exchange.SparseUpdate, ExDynaState]:
-  """Stages 2-5 of the module docstring: partitions, threshold, selection, exchange.
+  """Stages 2-5 of `exdyna_jax._exdyna`'s list: partitions, threshold, selection, exchange.
 
   Args:
     accumulated: float32 ``[N]`` this worker's ``g + m``.

@@ -163,14 +163,13 @@ def test_a_bare_state_returned_comes_back_bare(mesh):
 
 
 def test_a_changed_field_without_a_rule_is_refused_when_traced(mesh):
-  dp = exdyna_jax.data_parallel(optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(LR)), mesh)
+  dp = exdyna_jax.data_parallel(optax.chain(exdyna_jax.dense(), optax.sgd(LR)), mesh)
   with pytest.raises(TypeError, match=r"changes the field 'batch_stats'.*reduce=\{'batch_stats'"):
     make_step(dp, {"examples": "sum"})(new_state(dp, Net()), batch())
 
 
 def test_a_state_not_built_for_dp_is_refused(mesh):
-  tx = optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(LR))
-  dp = exdyna_jax.data_parallel(tx, mesh)
+  dp = exdyna_jax.data_parallel(optax.chain(exdyna_jax.dense(), optax.sgd(LR)), mesh)
   model = nn.Dense(3)
   params = model.init(jax.random.key(0), batch()[0])["params"]
   plain = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(LR))
@@ -182,7 +181,7 @@ def test_a_state_not_built_for_dp_is_refused(mesh):
 
 
 def test_bad_rules_are_refused(mesh):
-  dp = exdyna_jax.data_parallel(optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(LR)), mesh)
+  dp = exdyna_jax.data_parallel(optax.chain(exdyna_jax.dense(), optax.sgd(LR)), mesh)
   with pytest.raises(ValueError, match="need no rule"):
     exdyna_jax.train_state_step(dp, reduce={"params": "mean"})
   with pytest.raises(ValueError, match="must be one of"):
@@ -195,7 +194,7 @@ def test_bad_rules_are_refused(mesh):
 
 
 def test_a_step_returning_something_else_first_is_refused(mesh):
-  dp = exdyna_jax.data_parallel(optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(LR)), mesh)
+  dp = exdyna_jax.data_parallel(optax.chain(exdyna_jax.dense(), optax.sgd(LR)), mesh)
   model = nn.Dense(3)
   state = exdyna_jax.create_train_state(
       dp, apply_fn=model.apply, params=model.init(jax.random.key(0), batch()[0])["params"])
