@@ -178,6 +178,12 @@ def concatenate_ragged(
 REDUCTIONS = ("mean", "sum")
 
 
+def check_reduction(how: str, where: str) -> None:
+  """Raises unless ``how`` is one of `REDUCTIONS` (``where`` names the rule's key)."""
+  if how not in REDUCTIONS:
+    raise ValueError(f"{where} is {how!r}; it must be one of {REDUCTIONS}.")
+
+
 def combine_workers(how: str, before: jax.Array, after: jax.Array, axis_name: str, *,
                     name: str) -> jax.Array:
   """One value from every worker's ``after``, by the user's rule ``how``.

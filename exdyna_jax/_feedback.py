@@ -269,7 +269,7 @@ def check_update(
   Returns:
     ``(layout, n)``: the gradient's `FlatLayout` and the number of workers.
   """
-  if not isinstance(getattr(state, "stats", None), _stats.SparsifierStats):
+  if not _stats.is_sparsifier_state(state):
     raise TypeError(
         f"The sparsifier's state is a {type(state).__name__}, not the state its init returns "
         "(a checkpoint restored without a target comes back as plain dicts and lists): "

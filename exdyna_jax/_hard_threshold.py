@@ -100,17 +100,17 @@ def hard_threshold(
       density, threshold, capacity_factor, capacity)
   value_dtype = _options.check_value_dtype(value_dtype)
 
-  def settings(num_elements: int) -> tuple[float, int]:
-    """``(threshold, capacity)`` for a model of ``N`` elements."""
+  def settings(num_elements: int) -> tuple[float, int, int]:
+    """``(threshold, capacity, k)`` for a model of ``N`` elements (``k`` 0 without a density)."""
     if density is None:
-      return threshold, min(capacity, num_elements)
+      return threshold, min(capacity, num_elements), 0
     k = _options.target_count(density, num_elements)
     slots = capacity or math.ceil(capacity_factor * k)
-    return _threshold.hard_threshold_rule(k), max(1, min(slots, num_elements))
+    return _threshold.hard_threshold_rule(k), max(1, min(slots, num_elements)), k
 
   def sparsify(accumulated, stats, num_workers):
     num_elements = accumulated.shape[0]
-    value, slots = settings(num_elements)
+    value, slots, target = settings(num_elements)
     selection = _selection.select_in_range(
         accumulated,
         jnp.float32(value),
@@ -133,7 +133,7 @@ def hard_threshold(
         workloads=passed,
         num_elements=num_elements,
         bytes_sent=exchanged.bytes_sent,
-        target=0 if density is None else _options.target_count(density, num_elements),
+        target=target,
     )
     return exchanged.sparse, new_stats
 

@@ -80,9 +80,7 @@ def check_reduce(reduce: Mapping[type, str]) -> None:
           "rule (the sparsifier's exchange keeps parameters the same on every worker); "
           "name the types the step changes otherwise, such as nnx.BatchStat."
       )
-    if how not in _collectives.REDUCTIONS:
-      raise ValueError(
-          f"reduce[{kind.__name__}] is {how!r}; it must be one of {_collectives.REDUCTIONS}.")
+    _collectives.check_reduction(how, f"reduce[{kind.__name__}]")
 
 
 def check_optimizers(objects: tuple, dp: _sharding.DataParallel) -> None:

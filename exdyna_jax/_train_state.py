@@ -79,9 +79,7 @@ def check_reduce(reduce: Mapping[str, str]) -> None:
           "exchange keeps params the same on every worker); name the fields the step "
           "changes otherwise, such as 'batch_stats'."
       )
-    if how not in _collectives.REDUCTIONS:
-      raise ValueError(
-          f"reduce[{field!r}] is {how!r}; it must be one of {_collectives.REDUCTIONS}.")
+    _collectives.check_reduction(how, f"reduce[{field!r}]")
 
 
 def check_state(state: Any, dp: _sharding.DataParallel, reduce: Mapping[str, str]) -> None:
@@ -115,9 +113,9 @@ def combine_fields(before: Any, after: Any, reduce: Mapping[str, str], axis_name
           f"exdyna_jax.train_state_step(dp, reduce={{{field.name!r}: 'mean'}}) for an average "
           "(BatchNorm statistics), or 'sum' to add up each worker's change (counters)."
       )
-    combined[field.name] = jax.tree.map(
-        lambda a, b, path=field.name: _collectives.combine_workers(
-            reduce[path], a, b, axis_name, name=path), old, new)
+    combine = functools.partial(_collectives.combine_workers, reduce[field.name],
+                                axis_name=axis_name, name=field.name)
+    combined[field.name] = jax.tree.map(combine, old, new)
   return after.replace(**combined)
 
 
