@@ -134,8 +134,9 @@ class CompiledMethod(NamedTuple):
   """A method's data-parallel wiring, its train step and what the step exchanges.
 
   Attributes:
-    dp: `exdyna_jax.data_parallel` of the optimizer (``dp.init``,
-      ``dp.stats``).
+    dp: `exdyna_jax.data_parallel` of the optimizer (``dp.stats``).
+    opt_state: ``dp.init(params)``, the state the step was lowered with and
+      the run starts from.
     step: ``(params, opt_state, (inputs, targets)) -> (params, opt_state,
       worker_losses [n])``, the ``dp.step`` a user runs (donates the state).
     hlo_bytes: bytes one worker sends per step, counted from the compiled HLO.
@@ -143,6 +144,7 @@ class CompiledMethod(NamedTuple):
   """
 
   dp: exdyna_jax.DataParallel
+  opt_state: Any
   step: Callable[..., tuple[Any, Any, jax.Array]]
   hlo_bytes: int
   collectives: list[traffic.Collective]
@@ -172,9 +174,10 @@ def compile_method(
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  lowered = train_step.lower(params, dp.init(params), example_batch)
+  opt_state = dp.init(params)
+  lowered = train_step.lower(params, opt_state, example_batch)  # lowering donates nothing
   found = traffic.collectives(lowered.compile().as_text(), mesh.size)
-  return CompiledMethod(dp, train_step, sum(c.bytes_sent for c in found), found)
+  return CompiledMethod(dp, opt_state, train_step, sum(c.bytes_sent for c in found), found)
 
 
 @dataclasses.dataclass
@@ -258,7 +261,7 @@ def train_method(
   tx = optimizer_for(method, config)
   compiled = compile_method(task, tx, mesh, params, task.sample_batch(rng, global_batch))
   rng = np.random.default_rng(config.seed)  # every method sees the same batches
-  opt_state = compiled.dp.init(params)
+  opt_state = compiled.opt_state
   evaluate = jax.jit(task.evaluate)
 
   records = []
