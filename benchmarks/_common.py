@@ -18,10 +18,12 @@ import sys
 import time
 from typing import Any
 
+from exdyna_jax import _registry
+
 AXIS = "data"
 RESNET18 = 11_173_962  # ResNet-18 parameters
 LSTM = 28_900_000  # the seeds' LSTM, ~28.9M parameters
-METHODS = ("exdyna", "micro", "spardl", "topk", "cltk", "hard_threshold", "dense")
+METHODS = tuple(_registry.SPARSIFIERS)  # every registered method, dense last
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 

@@ -46,4 +46,4 @@ __all__ = [
     "train_state_step",
 ]
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

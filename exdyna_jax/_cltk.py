@@ -40,11 +40,12 @@ def cltk(
   Calling convention: :doc:`/usage`; non-finite gradients: :doc:`/bad_inputs`.
 
   Args:
-    density: fraction ``d`` of gradient elements to send, in ``(0, 1]``. Or a schedule
-      ``{first_step: density}`` (`dgc_warmup`, :doc:`/usage`).
+    density: fraction ``d`` of gradient elements the leader picks and every
+      worker sends, in ``(0, 1]``, or a schedule ``{first_step: density}``
+      (`dgc_warmup`, :doc:`/usage`).
     axis_name: name of the data-parallel axis.
-    value_dtype: float32 (default), bfloat16 or float16: what the exchanged
-      values are summed in (:doc:`/usage`).
+    value_dtype: float32 (default), bfloat16 or float16: what the values at
+      the leader's indices are summed in (:doc:`/usage`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an

@@ -221,3 +221,31 @@ def float_bits(x: jax.Array) -> jax.Array:
 def bits_float(x: jax.Array) -> jax.Array:
   """Inverse of `float_bits`. On non-negative floats both orders agree."""
   return jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.int32), jnp.float32)
+
+
+def words_of(count: int, dtype: jnp.dtype) -> int:
+  """int32 words that `values_bits` packs ``count`` values of ``dtype`` into."""
+  return -(-count * jnp.dtype(dtype).itemsize // INDEX_BYTES)
+
+
+def values_bits(values: jax.Array, dtype: jnp.dtype) -> jax.Array:
+  """``[..., m]`` values of ``dtype`` packed into ``[..., words_of(m)]`` int32 words.
+
+  To ride on an integer collective next to int32 indices: a float32 is one
+  word, two bfloat16 or float16 share one (an odd count is padded).
+  """
+  per_word = INDEX_BYTES // jnp.dtype(dtype).itemsize
+  if per_word == 1:
+    return jax.lax.bitcast_convert_type(values.astype(dtype), jnp.int32)
+  count = values.shape[-1]
+  pad = [(0, 0)] * (values.ndim - 1) + [(0, -count % per_word)]
+  narrow = jnp.pad(values.astype(dtype), pad)
+  return jax.lax.bitcast_convert_type(
+      narrow.reshape(*values.shape[:-1], -1, per_word), jnp.int32)
+
+
+def bits_values(words: jax.Array, dtype: jnp.dtype, count: int) -> jax.Array:
+  """Inverse of `values_bits`: the first ``count`` values, as float32."""
+  narrow = jax.lax.bitcast_convert_type(words, dtype)  # [..., w] or [..., w, per_word]
+  narrow = narrow.reshape(*words.shape[:-1], -1)[..., :count]
+  return narrow.astype(jnp.float32)

@@ -26,9 +26,6 @@ from exdyna_jax import _collectives, _exchange, _options, _stats
 # (accumulated [N], state, n) -> (aggregated update, new state): one level's step.
 StepFn = Callable[[jax.Array, Any, int], tuple[_exchange.SparseUpdate, Any]]
 
-SCHEDULED_METHODS = "exdyna, micro, topk and cltk"
-
-
 class Level(NamedTuple):
   """One level of a density schedule: ``density`` from ``first_step`` on."""
 
@@ -82,25 +79,20 @@ def density_at(levels: tuple[Level, ...], completed_steps: int) -> float:
   return next(level.density for level in reversed(levels) if level.first_step <= completed_steps)
 
 
+def initial_density(levels: tuple[Level, ...]) -> float:
+  """The density of the first level below 1 (what a state starts for), or 1.0."""
+  return next((level.density for level in levels if level.density < 1.0), 1.0)
+
+
 def initial_count(levels: tuple[Level, ...], num_elements: int) -> int:
   """``k`` of the first level below 1 (what a state starts for, a threshold say).
 
   Raises:
     ValueError: if any level selects ``floor(density * N) = 0`` elements.
   """
-  counts = [_options.target_count(level.density, num_elements) for level in levels]
-  sparse = [k for k, level in zip(counts, levels, strict=True) if level.density < 1.0]
-  return (sparse or counts)[0]
-
-
-def check_unscheduled(density: Any, method: str) -> float:
-  """``density`` as a float, for a method that takes no schedule."""
-  if isinstance(density, Mapping):
-    raise TypeError(
-        f"{method} takes one density, not a schedule: a density schedule "
-        f"{{first_step: density}} is taken by {SCHEDULED_METHODS}."
-    )
-  return _options.check_density(density)
+  for level in levels:
+    _options.target_count(level.density, num_elements)
+  return _options.target_count(initial_density(levels), num_elements)
 
 
 def dgc_warmup(
@@ -120,8 +112,8 @@ def dgc_warmup(
     factor: the ratio of one level to the next, above 1.
 
   Returns:
-    ``{first_step: density}`` for the ``density`` argument of `exdyna` (and
-    of `micro`, `topk` and `cltk`).
+    ``{first_step: density}`` for the ``density`` argument of any
+    sparsifier.
 
   Example:
     >>> import exdyna_jax
@@ -139,15 +131,6 @@ def dgc_warmup(
     level_density /= factor
   schedule[len(schedule) * steps_per_level] = density
   return schedule
-
-
-def single_level_step(density: float, step: StepFn, axis_name: str) -> StepFn:
-  """``step`` of a method without schedules; at ``density`` 1.0 the dense mean instead.
-
-  Density 1.0 is `scheduled_step`'s dense level: one ``psum``, every
-  element sent, the residual cleared, as in the methods that take schedules.
-  """
-  return scheduled_step((Level(0, density),), lambda _: step, axis_name)
 
 
 def scheduled_step(

@@ -64,13 +64,6 @@ class ErrorFeedbackState(NamedTuple):
   stats: _stats.SparsifierStats
 
 
-# (accumulated [N], previous stats, n) -> (aggregated update, stats)
-SparsifyFn = Callable[
-    [jax.Array, _stats.SparsifierStats, int],
-    tuple[_exchange.SparseUpdate, _stats.SparsifierStats],
-]
-
-
 def error_feedback_transform(
     *,
     axis_name: str,
@@ -182,41 +175,18 @@ def keep_what_rounding_loses(
   return sparse._replace(values=sent, kept=kept)
 
 
-def stats_state_transform(
-    *,
-    axis_name: str,
-    initial_stats: Callable[[int, int], _stats.SparsifierStats],
-    sparsify: SparsifyFn,
-    density: float | None = None,
-) -> optax.GradientTransformationExtraArgs:
-  """An `error_feedback_transform` whose state is an `ErrorFeedbackState`.
-
-  For methods that keep nothing but the residual and the last step's stats.
+def stats_step(
+    sparsify: Callable[[jax.Array, _stats.SparsifierStats, int],
+                       tuple[_exchange.SparseUpdate, _stats.SparsifierStats]],
+) -> _density_schedule.StepFn:
+  """The step of an `ErrorFeedbackState` method.
 
   Args:
-    axis_name: the data-parallel axis.
-    initial_stats: ``(N, n) -> SparsifierStats`` before the first step.
-    sparsify: ``(accumulated, stats, n) -> (sparse_update, stats)``.
-    density: the density the method was built for, if any: at 1.0 the
-      step is the dense mean (`_density_schedule.single_level_step`).
+    sparsify: ``(accumulated, previous stats, n) -> (sparse_update, stats)``.
 
   Returns:
-    The optax transformation; its state is an `ErrorFeedbackState`.
+    ``(accumulated, state, n) -> (sparse_update, new_state)``.
   """
-  step = stats_step(sparsify)
-  if density is not None:
-    step = _density_schedule.single_level_step(density, step, axis_name)
-  return error_feedback_transform(
-      axis_name=axis_name,
-      init_state=lambda residual, num_elements, num_workers: ErrorFeedbackState(
-          residual, initial_stats(num_elements, num_workers)
-      ),
-      step=step,
-  )
-
-
-def stats_step(sparsify: SparsifyFn) -> _density_schedule.StepFn:
-  """The step of an `ErrorFeedbackState` method: ``sparsify`` on its stats."""
 
   def step(accumulated, state, num_workers):
     sparse, stats = sparsify(accumulated, state.stats, num_workers)
@@ -294,18 +264,24 @@ BudgetSparsifyFn = Callable[
 
 
 def fixed_budget_transform(
-    density: float | Mapping[int, float], *, axis_name: str, sparsify: BudgetSparsifyFn
+    density: float | Mapping[int, float],
+    *,
+    axis_name: str,
+    sparsify: BudgetSparsifyFn,
+    initial_threshold: Callable[[int], float] = lambda k: 0.0,
 ) -> optax.GradientTransformationExtraArgs:
   """An `error_feedback_transform` that picks ``k = floor(density * N)`` per step.
 
-  For methods without a threshold (Top-k, CLT-k): the stats report a
-  threshold of 0 before the first step.
+  For methods whose state is the residual and the stats (Top-k, CLT-k, hard
+  threshold); schedules come with it.
 
   Args:
     density: fraction ``d`` of gradient elements, in ``(0, 1]``, or a
       schedule ``{first_step: density}`` (`_density_schedule`).
     axis_name: the data-parallel axis.
     sparsify: ``(accumulated, stats, n, k) -> (sparse_update, stats)``.
+    initial_threshold: ``k -> `` the threshold the stats report before the
+      first step (0 by default, for methods without one).
 
   Returns:
     The optax transformation; its state is an `ErrorFeedbackState`.
@@ -313,9 +289,9 @@ def fixed_budget_transform(
   levels = _density_schedule.density_levels(density)
 
   def init_state(residual, num_elements, num_workers):
-    _density_schedule.initial_count(levels, num_elements)  # rejects a level with k = 0
+    k = _density_schedule.initial_count(levels, num_elements)  # rejects a level with k = 0
     return ErrorFeedbackState(
-        residual, unpartitioned_initial_stats(0.0, num_elements, num_workers)
+        residual, unpartitioned_initial_stats(initial_threshold(k), num_elements, num_workers)
     )
 
   def step_for(density):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -18,15 +21,15 @@ from exdyna_jax import (
   _threshold,
 )
 
-DEFAULT_CAPACITY_FACTOR = 2.0
+DEFAULT_CAPACITY_PER_K = 2.0
 
 
 def hard_threshold(
-    density: float | None = None,
+    density: float | Mapping[int, float] | None = None,
     *,
     threshold: float | None = None,
     axis_name: str = "data",
-    capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
+    capacity_per_k: float = DEFAULT_CAPACITY_PER_K,
     capacity: int | None = None,
     value_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformationExtraArgs:
@@ -46,20 +49,23 @@ def hard_threshold(
   The threshold is set by exactly one of ``density`` (the rule of Sahu et
   al., ``1 / (2 sqrt(k))`` with ``k = floor(density * N)``) and
   ``threshold``. Each worker's buffer holds ``capacity`` indices (the lowest
-  ones that pass); by default ``ceil(capacity_factor * k)``, i.e. room for
+  ones that pass); by default ``ceil(capacity_per_k * k)``, i.e. room for
   twice the target ``k`` per worker, because nothing regulates the count.
+  (Each worker here selects over all ``N`` elements, so its buffer is sized
+  from ``k``; `exdyna`'s ``capacity_factor`` is a multiple of ``k / n``.)
   With ``threshold=`` there is no ``k``, so ``capacity`` must be given.
 
   Calling convention: :doc:`/usage`; non-finite gradients: :doc:`/bad_inputs`.
 
   Args:
     density: fraction ``d`` setting the threshold ``1 / (2 sqrt(d N))`` and
-      the default capacity (1.0: the dense mean, one all-reduce).
+      the default capacity (1.0: the dense mean, one all-reduce), or a
+      schedule ``{first_step: density}`` (:doc:`/usage`).
     threshold: a fixed threshold instead of ``density``.
     axis_name: name of the data-parallel axis.
-    capacity_factor: default buffer size as a multiple of ``k`` (with
+    capacity_per_k: default buffer size as a multiple of ``k`` (with
       ``density``).
-    capacity: index slots per worker; overrides ``capacity_factor``, and is
+    capacity: index slots per worker; overrides ``capacity_per_k``, and is
       required with ``threshold``.
     value_dtype: float32 (default), bfloat16 or float16: what the exchanged
       values are summed in (:doc:`/usage`).
@@ -96,60 +102,69 @@ def hard_threshold(
     >>> round(float(updates[0, 0]), 4)  # mean of 1.0, 0.1, 0.1 and 0.1
     0.325
   """
-  density, threshold, capacity_factor, capacity = check_options(
-      density, threshold, capacity_factor, capacity)
-  value_dtype = _options.check_value_dtype(value_dtype)
-
-  def settings(num_elements: int) -> tuple[float, int, int]:
-    """``(threshold, capacity, k)`` for a model of ``N`` elements (``k`` 0 without a density)."""
-    if density is None:
-      return threshold, min(capacity, num_elements), 0
-    k = _options.target_count(density, num_elements)
-    slots = capacity or math.ceil(capacity_factor * k)
-    return _threshold.hard_threshold_rule(k), max(1, min(slots, num_elements)), k
-
-  def sparsify(accumulated, stats, num_workers):
-    num_elements = accumulated.shape[0]
-    value, slots, target = settings(num_elements)
-    selection = _selection.select_in_range(
-        accumulated,
-        jnp.float32(value),
-        jnp.int32(0),
-        jnp.int32(num_elements),
-        capacity=slots,
-        chunk=_selection.chunk_length(num_elements, 1),
+  density, threshold, capacity_per_k, capacity = check_options(
+      density, threshold, capacity_per_k, capacity)
+  exchange_above = functools.partial(
+      threshold_step, axis_name=axis_name, value_dtype=_options.check_value_dtype(value_dtype))
+  if density is None:
+    return _feedback.error_feedback_transform(
+        axis_name=axis_name,
+        init_state=lambda residual, num_elements, num_workers: _feedback.ErrorFeedbackState(
+            residual, _feedback.unpartitioned_initial_stats(threshold, num_elements, num_workers)),
+        step=_feedback.stats_step(functools.partial(
+            exchange_above, threshold=threshold, capacity=capacity, target=0)),
     )
-    exchanged = _exchange.exchange(
-        accumulated, selection.indices, selection.passed[None], axis_name,
-        value_dtype=value_dtype,
-    )
-    passed = exchanged.gathered_info[:, 0]
-    new_stats = _stats.unpartitioned_stats(
-        stats,
-        threshold=jnp.float32(value),
-        selected=jnp.sum(passed),
-        transmitted=_exchange.distinct_count(exchanged.gathered_indices, num_elements),
-        overflow=jnp.sum(jnp.maximum(passed - slots, 0)),
-        workloads=passed,
-        num_elements=num_elements,
-        bytes_sent=exchanged.bytes_sent,
-        target=target,
-    )
-    return exchanged.sparse, new_stats
 
-  return _feedback.stats_state_transform(
-      axis_name=axis_name,
-      initial_stats=lambda num_elements, num_workers: _feedback.unpartitioned_initial_stats(
-          settings(num_elements)[0], num_elements, num_workers
-      ),
-      sparsify=sparsify,
-      density=density,
+  def sparsify(accumulated, stats, num_workers, k):
+    return exchange_above(
+        accumulated, stats, num_workers, threshold=_threshold.hard_threshold_rule(k),
+        capacity=capacity or math.ceil(capacity_per_k * k), target=k)
+
+  return _feedback.fixed_budget_transform(
+      density, axis_name=axis_name, sparsify=sparsify,
+      initial_threshold=_threshold.hard_threshold_rule,
   )
 
 
-def check_options(density: float | None, threshold: float | None, capacity_factor: float,
-                  capacity: int | None) -> tuple[float | None, float | None, float, int | None]:
-  """``(density, threshold, capacity_factor, capacity)`` checked: exactly one of the first two.
+def threshold_step(accumulated: jax.Array, stats: _stats.SparsifierStats, num_workers: int, *,
+                   threshold: float, capacity: int, target: int, axis_name: str,
+                   value_dtype: Any) -> tuple[_exchange.SparseUpdate, _stats.SparsifierStats]:
+  """Every worker's ``|a| >= threshold`` (its ``capacity`` lowest indices), summed at their union.
+
+  ``target`` is the step's ``k`` (0 with a fixed threshold); the capacity is
+  clipped to ``[1, N]``.
+  """
+  num_elements = accumulated.shape[0]
+  slots = max(1, min(capacity, num_elements))
+  selection = _selection.select_in_range(
+      accumulated,
+      jnp.float32(threshold),
+      jnp.int32(0),
+      jnp.int32(num_elements),
+      capacity=slots,
+      chunk=_selection.chunk_length(num_elements, 1),
+  )
+  exchanged = _exchange.exchange(
+      accumulated, selection.indices, selection.passed[None], axis_name, value_dtype=value_dtype,
+  )
+  passed = exchanged.gathered_info[:, 0]
+  new_stats = _stats.unpartitioned_stats(
+      stats,
+      threshold=jnp.float32(threshold),
+      selected=jnp.sum(passed),
+      transmitted=_exchange.distinct_count(exchanged.gathered_indices, num_elements),
+      overflow=jnp.sum(jnp.maximum(passed - slots, 0)),
+      workloads=passed,
+      num_elements=num_elements,
+      bytes_sent=exchanged.bytes_sent,
+      target=target,
+  )
+  return exchanged.sparse, new_stats
+
+
+def check_options(density: Any, threshold: float | None, capacity_per_k: float,
+                  capacity: int | None) -> tuple[Any, float | None, float, int | None]:
+  """``(density, threshold, capacity_per_k, capacity)`` checked: exactly one of the first two.
 
   Raises:
     ValueError: for both or neither of ``density`` and ``threshold``, a
@@ -162,8 +177,9 @@ def check_options(density: float | None, threshold: float | None, capacity_facto
         f"density={density!r}, threshold={threshold!r}."
     )
   if density is not None:
-    density = _density_schedule.check_unscheduled(density, "hard_threshold")
-    capacity_factor = _options.check_capacity_factor(capacity_factor)
+    _density_schedule.density_levels(density)  # checks a density or a schedule
+    capacity_per_k = _options.check_positive_finite(
+        capacity_per_k, "capacity_per_k", "index slots per worker as a multiple of k")
   else:
     threshold = _options.check_threshold(threshold)
     if capacity is None:
@@ -174,4 +190,4 @@ def check_options(density: float | None, threshold: float | None, capacity_facto
       )
   if capacity is not None:
     capacity = _options.check_capacity(capacity)
-  return density, threshold, capacity_factor, capacity
+  return density, threshold, capacity_per_k, capacity

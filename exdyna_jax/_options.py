@@ -47,13 +47,18 @@ def check_density(density: float) -> float:
   )
 
 
+def check_positive_finite(value: float, name: str, meaning: str) -> float:
+  """Returns ``value`` as a float, or raises if it is not positive and finite."""
+  return _check(value, name, numbers.Real, lambda v: 0.0 < v < math.inf,
+                f"positive and finite ({meaning})")
+
+
 def check_capacity_factor(capacity_factor: float) -> float:
-  """Returns ``capacity_factor`` as a float, or raises if it is not positive and finite."""
-  return _check(
-      capacity_factor, "capacity_factor", numbers.Real, lambda c: 0.0 < c < math.inf,
-      "positive and finite (buffer slots per worker as a multiple of k / n; 1.5 leaves "
-      "room for 50 % imbalance; slots past N are never used, so a large factor is capped "
-      "there)",
+  """Returns ``capacity_factor`` (slots per worker over ``k / n``) checked."""
+  return check_positive_finite(
+      capacity_factor, "capacity_factor",
+      "buffer slots per worker as a multiple of k / n; 1.5 leaves room for 50 % imbalance; "
+      "slots past N are never used, so a large factor is capped there",
   )
 
 
@@ -129,10 +134,7 @@ def value_slots(target: int, capacity: int, num_workers: int) -> int:
 
 def check_threshold(threshold: float) -> float:
   """Returns ``threshold`` as a float, or raises if it is not positive and finite."""
-  return _check(
-      threshold, "threshold", numbers.Real, lambda t: 0.0 < t < math.inf,
-      "positive and finite (elements with |a| >= threshold are sent)",
-  )
+  return check_positive_finite(threshold, "threshold", "elements with |a| >= threshold are sent")
 
 
 def check_positive_int(value: int, name: str, meaning: str = "") -> int:

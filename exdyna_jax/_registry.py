@@ -1,6 +1,7 @@
 """Every sparsifier by name, for configuration files and benchmarks.
 
-A new method registers itself by adding its factory to `SPARSIFIERS`.
+A new method registers itself by adding its factory to `SPARSIFIERS`; the
+tests, the benchmarks and their report read their lists of methods from it.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from exdyna_jax._topk import topk
 
 Factory = Callable[..., optax.GradientTransformationExtraArgs]
 
+# In the order reports list them: ExDyna and its relatives, the baselines, dense last.
 SPARSIFIERS: dict[str, Factory] = {
     "exdyna": exdyna,
     "micro": micro,
-    "topk": topk,
-    "hard_threshold": hard_threshold,
-    "cltk": cltk,
     "spardl": spardl,
+    "topk": topk,
+    "cltk": cltk,
+    "hard_threshold": hard_threshold,
     "dense": dense,
 }
 

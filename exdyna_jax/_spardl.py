@@ -20,18 +20,25 @@ blocked view is rolled by ``jax.lax.axis_index`` so that row ``j`` holds block
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from exdyna_jax import _collectives, _density_schedule, _exchange, _feedback, _stats
-
-SCHEDULES = ("log", "ring")
-PAIR_BYTES = _collectives.INDEX_BYTES + _collectives.VALUE_BYTES
+from exdyna_jax import (
+  _collectives,
+  _density_schedule,
+  _exchange,
+  _feedback,
+  _options,
+  _spardl_rounds,
+  _stats,
+)
 
 
 class SparDLRounds(NamedTuple):
@@ -42,7 +49,8 @@ class SparDLRounds(NamedTuple):
       ``ceil(log2 n)`` for ``schedule="log"``, ``n - 1`` for ``"ring"``.
     reduce_scatter_bytes: int32 ``[reduce_scatter_rounds]`` bytes this worker
       sends in each reduce-scatter round (``blocks * k_b`` pairs of an int32
-      index and a float32 value).
+      index and a value of ``value_dtype``, the values packed into int32
+      words).
     all_gather_rounds: int32 ``ceil(log2 n)``, the rounds of the Bruck
       all-gather the released code uses for the Spar-All-Gather.
     all_gather_bytes: int32 ``[all_gather_rounds]`` bytes this worker sends in
@@ -89,7 +97,8 @@ class SparDLState(NamedTuple):
       ``partition_sizes`` describe the ``n`` owned blocks in *elements*
       (padding excluded), and ``bytes_sent`` is this worker's total of both
       phases.
-    rounds: `SparDLRounds`, the per-round traffic (constant).
+    rounds: `SparDLRounds`, the per-round traffic of the last step (the
+      same every step unless the density follows a schedule).
 
   Example:
     One state per worker (eight simulated with ``jax.vmap``); `spardl`'s
@@ -108,80 +117,42 @@ class SparDLState(NamedTuple):
   rounds: SparDLRounds
 
 
-class _Round(NamedTuple):
-  """One reduce-scatter round, in the rolled frame (row ``j`` = block ``r + j``).
-
-  Rank ``r`` sends rows ``send_rows`` to rank ``r + shift`` and receives rows
-  ``recv_rows`` from rank ``r - shift`` (all modulo ``n``).
-  """
-
-  shift: int
-  send_rows: tuple[int, ...]
-  recv_rows: tuple[int, ...]
-
-
-def _log_sizes(num_workers: int) -> list[int]:
-  """Blocks per round of the released code's schedule, e.g. ``[2, 2, 1]`` for 6."""
-  num_rounds = math.ceil(math.log2(num_workers)) if num_workers > 1 else 0
-  if num_rounds == 0:
-    return []
-  sizes = [2**i for i in range(num_rounds - 1)]
-  if num_workers - 2 ** (num_rounds - 1) > 0:
-    sizes.append(num_workers - 2 ** (num_rounds - 1))
-  return sizes[::-1]
-
-
-def _schedule(schedule: str, num_workers: int) -> list[_Round]:
-  """The reduce-scatter rounds of ``schedule`` for ``num_workers`` ranks."""
-  n = num_workers
-  if schedule == "ring":
-    return [_Round(1, ((-s - 1) % n,), ((-s - 2) % n,)) for s in range(n - 1)]
-  rounds = []
-  sizes = _log_sizes(n)
-  gap = n - sizes[0] if sizes else 0
-  for size in sizes:
-    rounds.append(
-        _Round(gap, tuple((gap + j) % n for j in range(size)), tuple(j % n for j in range(size)))
-    )
-    gap //= 2
-  return rounds
-
-
-def _bruck_sizes(num_workers: int) -> list[int]:
-  """Lists forwarded in each round of a Bruck all-gather over ``num_workers``."""
-  num_rounds = math.ceil(math.log2(num_workers)) if num_workers > 1 else 0
-  return [min(2**j, num_workers - 2**j) for j in range(num_rounds)]
-
-
 def _saturated(byte_counts: list[int]) -> jax.Array:
   """Static byte counts as int32 ``[len]``, saturating at ``2**31 - 1``."""
   return jnp.array([min(b, _stats.INT32_MAX) for b in byte_counts], jnp.int32).reshape(-1)
 
 
-def _top_k(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Exact top-``k`` by magnitude of each row, ties towards the lower index.
+def _top_k(rows: jax.Array, k: int,
+           value_dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Exact top-``k`` by magnitude of each row (ties towards the lower index), for the wire.
 
   Args:
     rows: float32 ``[R, L]``.
     k: static number of pairs per row.
+    value_dtype: the dtype the values travel in.
 
   Returns:
-    ``(indices, values, dropped)``: int32 ``[R, k]`` positions in the row,
-    float32 ``[R, k]`` the values there, and float32 ``[R, L]`` the rows with
-    the selected entries zeroed.
+    ``(indices, values, rest)``: int32 ``[R, k]`` positions in the row,
+    float32 ``[R, k]`` the values there as ``value_dtype`` holds them
+    (rounded, clipped to its range), and float32 ``[R, L]`` the rows less
+    those values (zero at the indices for float32, else what rounding lost).
   """
   _, indices = jax.lax.top_k(jnp.abs(rows), k)  # ties: lower index first
   values = jnp.take_along_axis(rows, indices, axis=1)
   row_ids = jnp.arange(rows.shape[0])[:, None]
-  dropped = rows.at[row_ids, indices].set(0)
-  return indices, values, dropped
+  if jnp.dtype(value_dtype) == jnp.float32:
+    return indices, values, rows.at[row_ids, indices].set(0)
+  limit = float(jnp.finfo(value_dtype).max)
+  wire = jnp.clip(values, -limit, limit).astype(value_dtype).astype(jnp.float32)
+  return indices, wire, rows.at[row_ids, indices].set(values - wire)
 
 
 def spardl(
-    density: float,
+    density: float | Mapping[int, float],
     *,
     axis_name: str = "data",
     schedule: str = "log",
+    value_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformationExtraArgs:
   """SparDL gradient sparsification with error feedback, as an optax transform.
 
@@ -218,7 +189,8 @@ def spardl(
   Calling convention: :doc:`/usage`; non-finite gradients: :doc:`/bad_inputs`.
 
   Args:
-    density: fraction of gradient elements to send per step, in ``(0, 1]``.
+    density: fraction of gradient elements to send per step, in ``(0, 1]``,
+      or a schedule ``{first_step: density}`` (:doc:`/usage`).
     axis_name: name of the data-parallel axis.
     schedule: the reduce-scatter schedule (the result depends on it).
       ``"log"`` (default) is the released code's ``ceil(log2 n)``-round
@@ -227,6 +199,10 @@ def spardl(
       ``r + gap + j`` to ``r + gap``, ``gap`` halving from ``n - sizes[0]``.
       ``"ring"`` has ``n - 1`` steps; at step ``s`` rank ``r`` sends block
       ``r - s - 1`` to ``r + 1``.
+    value_dtype: float32 (default), bfloat16 or float16: what every message
+      carries its values in. Each sender rounds the values it sends (clipped
+      to the dtype's range) and keeps what rounding lost in its residual; the
+      receivers add them in float32.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -269,28 +245,31 @@ def spardl(
     >>> bool(jnp.allclose(kept_plus_sent, grads.sum(0), atol=1e-5))
     True
   """
-  density = _density_schedule.check_unscheduled(density, "spardl")
-  if schedule not in SCHEDULES:
+  levels = _density_schedule.density_levels(density)
+  value_dtype = _options.check_value_dtype(value_dtype)
+  if schedule not in _spardl_rounds.SCHEDULES:
     raise ValueError(
         f"schedule must be 'log' (ceil(log2 n) rounds, the released code's) or "
         f"'ring' (n - 1 steps), got {schedule!r}."
     )
 
   def init_state(residual, num_elements, num_workers):
+    density = _density_schedule.initial_density(levels)
     block, per_block = block_geometry(density, num_elements, num_workers)
     return SparDLState(
         residual=residual,
         stats=_stats.initial_stats(0.0, *block_ranges(num_elements, num_workers, block)),
-        rounds=rounds_of(schedule, num_workers, per_block),
+        rounds=rounds_of(
+            *_spardl_rounds.round_bytes(schedule, num_workers, per_block, value_dtype)),
     )
 
-  def step(accumulated, state, num_workers):
-    return spardl_step(accumulated, state, num_workers, density=density, schedule=schedule,
-                       axis_name=axis_name)
+  def step_for(density):
+    return functools.partial(spardl_step, density=density, schedule=schedule,
+                             axis_name=axis_name, value_dtype=value_dtype)
 
   return _feedback.error_feedback_transform(
       axis_name=axis_name, init_state=init_state,
-      step=_density_schedule.single_level_step(density, step, axis_name),
+      step=_density_schedule.scheduled_step(levels, step_for, axis_name),
   )
 
 
@@ -300,16 +279,13 @@ def block_geometry(density: float, num_elements: int, num_workers: int) -> tuple
   return block, max(1, math.floor(density * block))
 
 
-def rounds_of(schedule: str, num_workers: int, per_block: int) -> SparDLRounds:
-  """The `SparDLRounds` of ``schedule`` on ``n`` workers (static)."""
-  schedule_rounds = _schedule(schedule, num_workers)
-  gather = _bruck_sizes(num_workers)
-  pair = per_block * PAIR_BYTES
+def rounds_of(reduce_scatter_bytes: list[int], all_gather_bytes: list[int]) -> SparDLRounds:
+  """The `SparDLRounds` of the per-round byte counts of `round_bytes`."""
   return SparDLRounds(
-      reduce_scatter_rounds=jnp.int32(len(schedule_rounds)),
-      reduce_scatter_bytes=_saturated([len(r.send_rows) * pair for r in schedule_rounds]),
-      all_gather_rounds=jnp.int32(len(gather)),
-      all_gather_bytes=_saturated([size * pair for size in gather]),
+      reduce_scatter_rounds=jnp.int32(len(reduce_scatter_bytes)),
+      reduce_scatter_bytes=_saturated(reduce_scatter_bytes),
+      all_gather_rounds=jnp.int32(len(all_gather_bytes)),
+      all_gather_bytes=_saturated(all_gather_bytes),
   )
 
 
@@ -321,7 +297,8 @@ def block_ranges(num_elements: int, num_workers: int, block: int) -> tuple[jax.A
 
 
 def spardl_step(accumulated: jax.Array, state: SparDLState, n: int, *, density: float,
-                schedule: str, axis_name: str) -> tuple[_exchange.SparseUpdate, SparDLState]:
+                schedule: str, axis_name: str,
+                value_dtype: jnp.dtype) -> tuple[_exchange.SparseUpdate, SparDLState]:
   """One SparDL step on this worker's ``a = g + m``: the sparse reduce-scatter, then the
   all-gather of the owners' top-``k_b``; the shell writes the residual."""
   num_elements = accumulated.shape[0]
@@ -329,31 +306,16 @@ def spardl_step(accumulated: jax.Array, state: SparDLState, n: int, *, density: 
   blocks = jnp.pad(accumulated, (0, n * block - num_elements)).reshape(n, block)
   rank = jax.lax.axis_index(axis_name)
   # Rolled frame: row j is block (rank + j) mod n; row 0 is the owned block.
-  order = (rank + jnp.arange(n, dtype=jnp.int32)) % n
-  copies = blocks[order]
-  dropped = jnp.zeros_like(copies)
-
-  # Spar-Reduce-Scatter: one message per round, the pairs as int32 [blocks, 2 k_b].
-  for round_ in _schedule(schedule, n):
-    send = np.asarray(round_.send_rows)
-    recv = np.asarray(round_.recv_rows)
-    indices, values, rest = _top_k(copies[send], per_block)
-    dropped = dropped.at[send].set(rest)
-    permutation = [(r, (r + round_.shift) % n) for r in range(n)]
-    message = jnp.concatenate([indices, _collectives.float_bits(values)], axis=1)
-    message = jax.lax.ppermute(message, axis_name, permutation)
-    indices = message[:, :per_block]
-    copies = copies.at[recv[:, None], indices].add(
-        _collectives.bits_float(message[:, per_block:])
-    )
+  copies = blocks[(rank + jnp.arange(n, dtype=jnp.int32)) % n]
+  copies, dropped = reduce_scatter(copies, schedule, per_block, axis_name, value_dtype)
 
   # The owner's final top-k_b, then the Spar-All-Gather.
-  own_indices, own_values, own_rest = _top_k(copies[:1], per_block)
+  own_indices, own_values, own_rest = _top_k(copies[:1], per_block, value_dtype)
   dropped = dropped.at[0].set(own_rest[0])
-  own = jnp.concatenate([own_indices[0], _collectives.float_bits(own_values[0])])
+  own = jnp.concatenate([own_indices[0], _collectives.values_bits(own_values[0], value_dtype)])
   gathered = _collectives.all_gather(own, axis_name)
   gathered_indices = gathered[:, :per_block]  # [n, k_b], in block coordinates
-  gathered_values = _collectives.bits_float(gathered[:, per_block:])
+  gathered_values = _collectives.bits_values(gathered[:, per_block:], value_dtype, per_block)
   block_offsets = jnp.arange(n, dtype=jnp.int32)[:, None] * block
   flat_indices = (gathered_indices + block_offsets).reshape(-1)  # padding: >= N, dropped
 
@@ -364,20 +326,50 @@ def spardl_step(accumulated: jax.Array, state: SparDLState, n: int, *, density: 
   kept = dropped[unrolled].reshape(-1)[flat_indices]
   # XLA computes the mean as a product with a rounded 1/n: within 1 ulp of the sum / n.
   sparse = _exchange.SparseUpdate(flat_indices, gathered_values.reshape(-1) / n, kept)
+  rounds = _spardl_rounds.round_bytes(schedule, n, per_block, value_dtype)
+  stats = final_list_stats(state.stats, gathered_indices + block_offsets < num_elements,
+                           gathered_values / n, sum(map(sum, rounds)))
+  stats = stats._replace(target=jnp.int32(n * per_block))  # k_b per block: floor(d N) or less
+  return sparse, state._replace(stats=stats, rounds=rounds_of(*rounds))
 
-  real = gathered_indices + block_offsets < num_elements
+
+def reduce_scatter(copies: jax.Array, schedule: str, per_block: int, axis_name: str,
+                   value_dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+  """The Spar-Reduce-Scatter on the rolled ``[n, L]`` copies.
+
+  Returns:
+    ``(copies, dropped)``: the copies with what was received added (row 0,
+    the owned block, fully reduced), and what this worker kept of each block
+    it sent: the block less the values it put on the wire.
+  """
+  n = copies.shape[0]
+  dropped = jnp.zeros_like(copies)
+  # One message per round: int32 [blocks, k_b + words of k_b values].
+  for round_ in _spardl_rounds.reduce_scatter_rounds(schedule, n):
+    send = np.asarray(round_.send_rows)
+    recv = np.asarray(round_.recv_rows)
+    indices, values, rest = _top_k(copies[send], per_block, value_dtype)
+    dropped = dropped.at[send].set(rest)
+    permutation = [(r, (r + round_.shift) % n) for r in range(n)]
+    message = jnp.concatenate([indices, _collectives.values_bits(values, value_dtype)], axis=1)
+    message = jax.lax.ppermute(message, axis_name, permutation)
+    received = _collectives.bits_values(message[:, per_block:], value_dtype, per_block)
+    copies = copies.at[recv[:, None], message[:, :per_block]].add(received)
+  return copies, dropped
+
+
+def final_list_stats(stats: _stats.SparsifierStats, real: jax.Array, update_values: jax.Array,
+                     bytes_sent: int) -> _stats.SparsifierStats:
+  """The stats of the owners' final lists: ``real`` marks entries inside ``N``."""
   workloads = jnp.sum(real, axis=1, dtype=jnp.int32)
   transmitted = jnp.sum(workloads)
-  threshold = jnp.min(jnp.where(real, jnp.abs(gathered_values) / n, jnp.inf))
-  threshold = jnp.where(transmitted > 0, threshold, 0.0).astype(jnp.float32)
-  stats = state.stats._replace(
-      threshold=threshold,
+  threshold = jnp.min(jnp.where(real, jnp.abs(update_values), jnp.inf))
+  return stats._replace(
+      threshold=jnp.where(transmitted > 0, threshold, 0.0).astype(jnp.float32),
       selected=transmitted,
       transmitted=transmitted,
       overflow=jnp.zeros((), jnp.int32),
       workloads=workloads,
       imbalance=_stats.imbalance_of(workloads),
-      bytes_sent=_stats.static_bytes(2 * (n - 1) * per_block * PAIR_BYTES),
-      target=jnp.int32(n * per_block),  # k_b pairs per block: floor(d N) or a little less
+      bytes_sent=_stats.static_bytes(bytes_sent),
   )
-  return sparse, state._replace(stats=stats)

@@ -38,11 +38,11 @@ def topk(
 
   Args:
     density: fraction ``d`` of gradient elements each worker picks, in
-      ``(0, 1]``. Or a schedule
-      ``{first_step: density}`` (`dgc_warmup`, :doc:`/usage`).
+      ``(0, 1]``, or a schedule ``{first_step: density}`` (`dgc_warmup`,
+      :doc:`/usage`).
     axis_name: name of the data-parallel axis.
-    value_dtype: float32 (default), bfloat16 or float16: what the exchanged
-      values are summed in (:doc:`/usage`).
+    value_dtype: float32 (default), bfloat16 or float16: what the values at
+      the union of the workers' indices are summed in (:doc:`/usage`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an

@@ -14,7 +14,11 @@ import numpy as np
 import optax
 from jax import P
 
+import exdyna_jax
+
 AXIS = "data"
+# Every registered method that sparsifies (takes a density): all but dense.
+SPARSIFYING = tuple(name for name in exdyna_jax.available_sparsifiers() if name != "dense")
 
 
 def _scan_steps(tx, params):

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import exdyna_jax
+from tests import harness
 from tests.harness import AXIS
 
-METHODS_WITH_DENSITY = ("cltk", "exdyna", "hard_threshold", "micro", "spardl", "topk")
+METHODS_WITH_DENSITY = harness.SPARSIFYING
 
 
 def init_per_worker(tx, params, num_workers=2):
@@ -47,10 +48,17 @@ def test_integer_and_factor_options_take_numpy_scalars():
 
 
 @pytest.mark.parametrize("factor", [float("inf"), float("nan"), 0.0, -1.0])
-@pytest.mark.parametrize("name", ["exdyna", "micro", "hard_threshold"])
-def test_capacity_factor_must_be_positive_and_finite(name, factor):
-  with pytest.raises(ValueError, match="capacity_factor must be positive and finite"):
-    exdyna_jax.get_sparsifier(name, density=0.01, capacity_factor=factor)
+@pytest.mark.parametrize(
+    ("name", "option", "unit"),
+    [("exdyna", "capacity_factor", "k / n;"), ("micro", "capacity_factor", "k / n;"),
+     ("hard_threshold", "capacity_per_k", r"k\)")],
+)
+def test_capacity_multiples_must_be_positive_and_finite_and_say_their_unit(
+    name, option, unit, factor):
+  """A partitioned method's buffer is a multiple of k / n; hard threshold's (over all N) of k."""
+  match = rf"{option} must be positive and finite \(\w.* multiple of {unit}"
+  with pytest.raises(ValueError, match=match):
+    exdyna_jax.get_sparsifier(name, density=0.01, **{option: factor})
 
 
 @pytest.mark.parametrize("value", ["no", 0, None, np.zeros(1)])
@@ -82,3 +90,11 @@ def test_without_params_a_regrouped_tree_of_the_same_size_is_refused(name):
     with pytest.raises(ValueError, match=r"not the tree init\(\) was given"):
       update(other)
   update(jax.tree.map(lambda p: jnp.ones((2, *p.shape)), built_for))  # the init tree is fine
+
+
+@pytest.mark.parametrize("name", METHODS_WITH_DENSITY)
+def test_every_sparsifier_takes_a_density_schedule_and_a_value_dtype(name):
+  """The options that make sense for every method are taken by every method."""
+  exdyna_jax.get_sparsifier(name, density={0: 0.1, 5: 0.01}, value_dtype="bfloat16")
+  with pytest.raises(ValueError, match="value_dtype must be one of float32, bfloat16, float16"):
+    exdyna_jax.get_sparsifier(name, density=0.01, value_dtype="int8")

@@ -21,7 +21,7 @@ from tests import harness
 
 N, NUM_WORKERS, STEPS = 2048, 4, 8
 SCHEDULE = {0: 1.0, 2: 0.05, 5: 0.02}
-SCHEDULED = ("exdyna", "micro", "topk", "cltk")
+SCHEDULED = harness.SPARSIFYING
 
 
 def make(name, density):
@@ -147,12 +147,6 @@ def test_bad_schedules_say_what_is_expected(density, error, match):
     exdyna_jax.exdyna(density)
 
 
-@pytest.mark.parametrize("name", ["spardl", "hard_threshold"])
-def test_methods_without_schedules_name_those_with(name):
-  with pytest.raises(TypeError, match="exdyna, micro, topk and cltk"):
-    exdyna_jax.get_sparsifier(name, density={0: 1.0, 10: 0.01})
-
-
 def test_dgc_warmup_ends_at_the_density_and_trains():
   schedule = exdyna_jax.dgc_warmup(0.01, steps_per_level=2, start=1.0)
   assert schedule == {0: 1.0, 2: 0.25, 4: 0.0625, 6: 0.015625, 8: 0.01}
@@ -183,7 +177,7 @@ def test_real_devices_run_the_same_schedule(runner):
   np.testing.assert_array_equal(updates, np.broadcast_to(updates[:1], updates.shape))
 
 
-@pytest.mark.parametrize("name", ["exdyna", "micro", "topk", "cltk", "hard_threshold", "spardl"])
+@pytest.mark.parametrize("name", SCHEDULED)
 def test_a_density_of_one_is_the_dense_mean_in_every_method(name):
   grads = gradients(seed=3) * np.linspace(0.01, 3.0, N, dtype=np.float32)  # uneven magnitudes
   tx = exdyna_jax.get_sparsifier(name, density=1.0)

@@ -30,6 +30,7 @@ import functools
 import math
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +40,7 @@ from jax import P
 
 import exdyna_jax
 from exdyna_jax.demo import hlo
-from tests.harness import _scan_steps, to_numpy, unflatten_like
+from tests.harness import AXIS, _scan_steps, run_shard_map, to_numpy, unflatten_like
 from tests.models import peers_model
 from tests.models.exdyna_model import ExDynaModel
 from tests.models.spardl_model import SparDLModel
@@ -169,8 +170,24 @@ RUNS = [
 ]
 
 
-def test_every_registered_method_is_covered():
-  assert set(CASES) == set(exdyna_jax.available_sparsifiers())
+@pytest.mark.parametrize("name", exdyna_jax.available_sparsifiers())
+def test_every_registered_method_runs_across_nodes_as_across_workers(name):
+  """With ``fast_reduce="psum"`` a node is one worker: the method itself on node means.
+
+  Every registered method with its defaults, so a new one is covered as soon
+  as it is registered (the NumPy models above cover the methods of `CASES`).
+  """
+  grads, updates, states, _ = _run(name, "4x2", "psum", registered=True)
+  node_mean = grads.mean(axis=1, dtype=np.float32)  # exact: a 2**-16 grid
+  tree = unflatten_like(node_mean, {key: np.zeros(shape) for key, shape in SHAPES.items()})
+  flat_updates, flat_states, _ = to_numpy(run_shard_map(_registered(name, AXIS), PARAMS, tree))
+  flat_updates = _to_flat(flat_updates, 2)
+  for local in range(MESHES["4x2"][1]):
+    np.testing.assert_array_equal(updates[:, local] != 0, flat_updates != 0)
+    np.testing.assert_allclose(updates[:, local], flat_updates, rtol=1e-6, atol=1e-9)
+    on_device = jax.tree.map(lambda leaf, local=local: leaf[:, local], states)
+    chex.assert_trees_all_close(on_device, flat_states, rtol=1e-6, atol=1e-9)
+  assert np.abs(flat_updates).max() > 0
 
 
 def _mesh(name: str) -> jax.sharding.Mesh:
@@ -183,11 +200,22 @@ def _mesh(name: str) -> jax.sharding.Mesh:
   )
 
 
+def _registered(name: str, axis_name: str) -> optax.GradientTransformation:
+  """The registered method ``name`` with its default options at ``DENSITY``."""
+  options = {} if name == "dense" else {"density": DENSITY}
+  return exdyna_jax.get_sparsifier(name, axis_name=axis_name, **options)
+
+
 @functools.cache
-def _run(case: str, mesh_name: str, mode: str):
-  """``(grads [nodes, local, T, N], updates, states, compiled HLO text)`` as NumPy."""
+def _run(case: str, mesh_name: str, mode: str, registered: bool = False):
+  """``(grads [nodes, local, T, N], updates, states, compiled HLO text)`` as NumPy.
+
+  The sparsifier is ``CASES[case]``'s, or with ``registered`` the registry's
+  method ``case`` with its defaults.
+  """
   mesh = _mesh(mesh_name)
-  tx = exdyna_jax.hierarchical(CASES[case][0](), fast_axis=LOCAL, fast_reduce=mode)
+  sparsifier = _registered(case, NODE) if registered else CASES[case][0]()
+  tx = exdyna_jax.hierarchical(sparsifier, fast_axis=LOCAL, fast_reduce=mode)
   per_device = _scan_steps(tx, PARAMS)
 
   def body(grads):

@@ -20,11 +20,12 @@ import optax
 import pytest
 
 import exdyna_jax
+from tests import harness
 
 NUM_WORKERS = 8
 SHAPES = {"w": (512, 64), "b": (64,)}
 NUM_ELEMENTS = 512 * 64 + 64
-ERROR_FEEDBACK = ("exdyna", "micro", "topk", "hard_threshold", "cltk", "spardl")
+ERROR_FEEDBACK = harness.SPARSIFYING
 
 
 def make_tx(name: str, density=0.01) -> optax.GradientTransformation:

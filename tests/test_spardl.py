@@ -47,17 +47,18 @@ def _gradients(n: int, kind: str, seed: int) -> np.ndarray:
 
 
 @functools.cache
-def _run(n: int, schedule: str, density: float = 0.1, kind: str = "heavy"):
+def _run(n: int, schedule: str, density: float = 0.1, kind: str = "heavy",
+         value_dtype: str = "float32"):
   """Runs spardl under run_vmap; returns (grads, updates, states) as NumPy."""
   grads = _gradients(n, kind, seed=1000 * n + len(schedule))
-  tx = spardl(density, schedule=schedule)
+  tx = spardl(density, schedule=schedule, value_dtype=value_dtype)
   updates, states, _ = to_numpy(run_vmap(tx, PARAMS, _split(grads)))
   return grads, _join(updates), states
 
 
-def _assert_matches_model(n, schedule, density, kind):
-  grads, updates, states = _run(n, schedule, density, kind)
-  model = SparDLModel(n, NUM_ELEMENTS, density, schedule)
+def _assert_matches_model(n, schedule, density, kind, value_dtype="float32"):
+  grads, updates, states = _run(n, schedule, density, kind, value_dtype)
+  model = SparDLModel(n, NUM_ELEMENTS, density, schedule, jnp.dtype(value_dtype))
   for t in range(STEPS):
     want_update, want_residual = model.step(grads[:, t])
     # Residuals bit for bit; the update within 1 ulp (XLA divides by n as a
@@ -84,6 +85,21 @@ def test_matches_numpy_model_step_by_step(n, schedule):
 @pytest.mark.parametrize("n", (3, 6))
 def test_matches_numpy_model_with_ties(n, schedule):
   _assert_matches_model(n, schedule, 0.2, "ties")
+
+
+@pytest.mark.parametrize("value_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(("n", "schedule"), [(3, "ring"), (6, "log")])
+def test_a_narrow_wire_matches_the_model_and_halves_the_value_bytes(n, schedule, value_dtype):
+  """Every message carries its values rounded; the sender keeps what rounding lost."""
+  _assert_matches_model(n, schedule, 0.1, "heavy", value_dtype)
+  _, _, narrow = _run(n, schedule, 0.1, "heavy", value_dtype)
+  _, _, wide = _run(n, schedule)
+  per_block = max(1, math.floor(0.1 * math.ceil(NUM_ELEMENTS / n)))
+  per_list = 4 * per_block + 4 * math.ceil(per_block / 2)  # int32 indices, 2 values a word
+  np.testing.assert_array_equal(narrow.rounds.all_gather_bytes.sum(-1), (n - 1) * per_list)
+  np.testing.assert_array_equal(narrow.rounds.reduce_scatter_bytes.sum(-1), (n - 1) * per_list)
+  saved = 2 * (n - 1) * 4 * (per_block - math.ceil(per_block / 2))  # both phases
+  np.testing.assert_array_equal(wide.stats.bytes_sent - narrow.stats.bytes_sent, saved)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -14,15 +14,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 TARGET = {"elements": _common.RESNET18, "workers": 8, "density": 0.001}
+# A colour per registered method (dense in black), then the benchmarks' own variants.
 COLORS = {
-  "exdyna": "C0",
-  "micro": "C1",
-  "spardl": "C2",
-  "topk": "C3",
-  "cltk": "C4",
-  "hard_threshold": "C5",
+  **{name: f"C{i}" for i, name in enumerate(_common.METHODS) if name != "dense"},
   "dense": "k",
-  "topk_ef": "C6",
+  "topk_ef": "C9",
   "dense_psum": "0.4",
   "floor": "0.7",
 }

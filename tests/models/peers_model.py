@@ -160,55 +160,63 @@ def micro(grads: np.ndarray, density: float, capacity: int) -> Trace:
   return record.trace()
 
 
+def _error_feedback(grads: np.ndarray, choose) -> Trace:
+  """Steps with error feedback; the update is the workers' mean at the union of their choices.
+
+  ``choose(t, accumulated [n, N])`` returns ``(indices of every worker,
+  threshold, selected, overflow, workloads)``; ``transmitted`` is the union's size.
+  """
+  residuals = np.zeros(grads[:, 0].shape, F32)
+  record = _Recorder()
+  for t in range(grads.shape[1]):
+    accumulated = grads[:, t].astype(F32) + residuals
+    indices, threshold, selected, overflow, workloads = choose(t, accumulated)
+    union = np.unique(np.concatenate(indices))
+    update, residuals = aggregate(accumulated, union)
+    record.add(update, residuals, threshold, selected, union.size, overflow, workloads)
+  return record.trace()
+
+
 def topk(grads: np.ndarray, density: float) -> Trace:
   """Top-k with error feedback (Top-k); threshold = min_w k-th magnitude."""
-  num_workers, num_steps, num_elements = grads.shape
+  num_workers, _, num_elements = grads.shape
   k = target(density, num_elements)
-  residuals = np.zeros((num_workers, num_elements), F32)
-  record = _Recorder()
-  for t in range(num_steps):
-    accumulated = grads[:, t].astype(F32) + residuals
+
+  def choose(t, accumulated):
     magnitudes = np.abs(accumulated)
     chosen = [top_k(magnitudes[w], k) for w in range(num_workers)]
     kth = min(magnitudes[w, chosen[w][-1]] for w in range(num_workers))
-    union = np.unique(np.concatenate(chosen))
-    update, residuals = aggregate(accumulated, union)
-    record.add(update, residuals, kth, num_workers * k, union.size, 0, [k] * num_workers)
-  return record.trace()
+    return chosen, kth, num_workers * k, 0, [k] * num_workers
+
+  return _error_feedback(grads, choose)
 
 
 def hard_threshold(grads: np.ndarray, threshold: float, capacity: int) -> Trace:
   """Hard threshold (hard threshold) over the whole vector, ``C`` lowest indices kept."""
-  num_workers, num_steps, num_elements = grads.shape
   threshold = F32(threshold)
-  residuals = np.zeros((num_workers, num_elements), F32)
-  record = _Recorder()
-  for t in range(num_steps):
-    accumulated = grads[:, t].astype(F32) + residuals
-    passing = [np.flatnonzero(np.abs(accumulated[w]) >= threshold) for w in range(num_workers)]
+
+  def choose(t, accumulated):
+    passing = [np.flatnonzero(np.abs(row) >= threshold) for row in accumulated]
     counts = [p.size for p in passing]
-    union = np.unique(np.concatenate([p[:capacity] for p in passing]))
-    update, residuals = aggregate(accumulated, union)
     overflow = sum(max(c - capacity, 0) for c in counts)
-    record.add(update, residuals, threshold, sum(counts), union.size, overflow, counts)
-  return record.trace()
+    return [p[:capacity] for p in passing], threshold, sum(counts), overflow, counts
+
+  return _error_feedback(grads, choose)
 
 
 def cltk(grads: np.ndarray, density: float) -> Trace:
   """CLT-k (CLT-k): the leader ``t mod n``'s top-k, for everyone."""
-  num_workers, num_steps, num_elements = grads.shape
+  num_workers, _, num_elements = grads.shape
   k = target(density, num_elements)
-  residuals = np.zeros((num_workers, num_elements), F32)
-  record = _Recorder()
-  for t in range(num_steps):
-    accumulated = grads[:, t].astype(F32) + residuals
+
+  def choose(t, accumulated):
     leader = t % num_workers
     magnitudes = np.abs(accumulated[leader])
     chosen = top_k(magnitudes, k)
-    update, residuals = aggregate(accumulated, chosen)
     workloads = [k if w == leader else 0 for w in range(num_workers)]
-    record.add(update, residuals, magnitudes[chosen[-1]], k, k, 0, workloads)
-  return record.trace()
+    return [chosen], magnitudes[chosen[-1]], k, 0, workloads
+
+  return _error_feedback(grads, choose)
 
 
 def dense(grads: np.ndarray) -> Trace:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 
 
@@ -53,6 +54,12 @@ def expected_receives(schedule: str, n: int, rank: int, round_index: int) -> lis
   return [(rank - round_index - 2) % n]
 
 
+def on_the_wire(values: np.ndarray, dtype) -> np.ndarray:
+  """``values`` as a message in ``dtype`` carries them (clipped to its range), as float32."""
+  limit = float(ml_dtypes.finfo(dtype).max)
+  return np.clip(values, -limit, limit).astype(dtype).astype(np.float32)
+
+
 def top_k(x: np.ndarray, k: int) -> np.ndarray:
   """Positions of the ``k`` largest ``|x|``, ties towards the lower index."""
   order = sorted(range(x.shape[0]), key=lambda i: (-abs(float(x[i])), i))
@@ -62,7 +69,9 @@ def top_k(x: np.ndarray, k: int) -> np.ndarray:
 class SparDLModel:
   """``n`` workers' SparDL with error feedback, one ``step`` at a time."""
 
-  def __init__(self, n: int, num_elements: int, density: float, schedule: str):
+  def __init__(self, n: int, num_elements: int, density: float, schedule: str,
+               value_dtype=np.float32):
+    self.value_dtype = value_dtype  # messages carry values in it; the sender keeps the loss
     self.n = n
     self.N = num_elements
     self.L = -(-num_elements // n)
@@ -88,9 +97,9 @@ class SparDLModel:
           assert b != src and b not in sent_blocks[src]
           sent_blocks[src].add(b)
           chosen = top_k(copy[src][b], k)
-          values = copy[src][b][chosen].copy()
+          values = on_the_wire(copy[src][b][chosen], self.value_dtype)
           dropped = copy[src][b].copy()
-          dropped[chosen] = 0
+          dropped[chosen] -= values
           local_residual[src][b] = dropped
           inbox.append((dst, b, chosen, values))
       for dst in range(n):
@@ -105,10 +114,11 @@ class SparDLModel:
     final = []
     for b in range(n):
       chosen = top_k(copy[b][b], k)
+      values = on_the_wire(copy[b][b][chosen], self.value_dtype)
       dropped = copy[b][b].copy()
-      dropped[chosen] = 0
+      dropped[chosen] -= values
       local_residual[b][b] = dropped
-      final.append((chosen, copy[b][b][chosen].copy()))
+      final.append((chosen, values))
 
     update = np.zeros(n * L, np.float32)
     new_residual = np.zeros((n, n * L), np.float32)
