@@ -21,19 +21,20 @@ from tests import harness
 N, NUM_WORKERS, STEPS = 1000, 8, 5
 
 
-def round_robin(density, *, axis_name: str = "data"):
+def round_robin(density, *, axis_name: str = "data", value_dtype=jnp.float32):
   """Sends the ``k`` elements from ``step * k`` on (modulo ``N``), the same on every worker."""
 
   def sparsify(accumulated, stats, num_workers, k):
     num_elements = accumulated.shape[0]
     window = (stats.step * k + jnp.arange(k, dtype=jnp.int32)) % num_elements
-    sparse = _exchange.aggregate_at(accumulated, window, axis_name)
+    sparse = _exchange.aggregate_at(accumulated, window, axis_name, jnp.dtype(value_dtype))
     count = jnp.int32(k)
     return sparse, _stats.unpartitioned_stats(
         stats, threshold=jnp.float32(0.0), selected=count, transmitted=count,
         overflow=jnp.zeros((), jnp.int32), workloads=jnp.full((num_workers,), k, jnp.int32),
         num_elements=num_elements, target=k,
-        bytes_sent=_collectives.ring_all_reduce_bytes(num_workers, k * _collectives.VALUE_BYTES),
+        bytes_sent=_collectives.ring_all_reduce_bytes(
+            num_workers, k * jnp.dtype(value_dtype).itemsize),
     )
 
   return _feedback.fixed_budget_transform(density, axis_name=axis_name, sparsify=sparsify)
