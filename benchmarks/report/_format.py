@@ -6,22 +6,10 @@ import json
 import pathlib
 from typing import Any
 
-import matplotlib
-
 from benchmarks import _common
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from benchmarks.report import plots
 
 TARGET = {"elements": _common.RESNET18, "workers": 8, "density": 0.001}
-# A colour per registered method (dense in black), then the benchmarks' own variants.
-COLORS = {
-  **{name: f"C{i}" for i, name in enumerate(_common.METHODS) if name != "dense"},
-  "dense": "k",
-  "topk_ef": "C9",
-  "dense_psum": "0.4",
-  "floor": "0.7",
-}
 
 
 def load(results: pathlib.Path, name: str) -> dict[str, Any] | None:
@@ -73,7 +61,5 @@ class Report:
     self.targets.append([what, goal, value, "n/a" if ok is None else verdict(ok)])
 
   def save_plot(self, fig, name: str) -> str:
-    fig.tight_layout()
-    fig.savefig(self.results / name, dpi=110)
-    plt.close(fig)
+    plots.save(fig, self.results / name)
     return f"![{name}]({name})"

@@ -1,10 +1,10 @@
-"""The REPORT section of the emulated cluster (`cluster.py`): tables, targets, plots."""
+"""The REPORT section of the emulated cluster (`cluster.py`): tables, targets (figures: `plots`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.report._format import plt
+from benchmarks.report import plots
 from exdyna_jax.demo import cluster
 
 TARGET_WORKERS, TARGET_RATE = "4", "1gbit"
@@ -62,20 +62,13 @@ def _breakdown_table(rows_of: dict, rate: str, table) -> str:
 def _plot_steps(rep, summary: dict) -> str:
   rows_of = summary.get(TARGET_WORKERS) or next(iter(summary.values()))
   rates = _rates(summary)
-  fig, ax = plt.subplots(figsize=(7, 4))
-  for variant in (v for v in ORDER if v in rows_of):
-    points = [(i, rows_of[variant][r]["step_ms"]) for i, r in enumerate(rates)
-              if r in rows_of[variant]]
-    ax.plot(*zip(*points, strict=True), marker="o", label=LABELS.get(variant, variant),
-            color="k" if variant == "dense" else None,
-            linestyle="--" if variant == "compute" else "-")
-  ax.set_xticks(range(len(rates)), rates)
-  ax.set_yscale("log")
-  ax.set_xlabel("link rate per worker")
-  ax.set_ylabel("train step, ms (log)")
-  ax.set_title(f"{TARGET_WORKERS} worker processes, 4.7M-parameter MLP, d = 0.001")
-  ax.legend(fontsize=7, ncol=2)
-  return rep.save_plot(fig, "cluster_steps.png")
+  curves = {
+    LABELS.get(variant, variant): [(i, rows_of[variant][r]["step_ms"])
+                                   for i, r in enumerate(rates) if r in rows_of[variant]]
+    for variant in ORDER if variant in rows_of
+  }
+  title = f"{TARGET_WORKERS} worker processes, 4.7M-parameter MLP, d = 0.001"
+  return rep.save_plot(plots.step_curves(rates, curves, title), "cluster_steps.png")
 
 
 def _accuracy_tables(rep, accuracy: dict, table) -> list[str]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from benchmarks.report._format import COLORS, TARGET, Report, ms, plt, short, table
+from benchmarks.report import plots
+from benchmarks.report._format import TARGET, Report, ms, short, table
 
 # --------------------------------------------------------------------------- 1. cost
 
@@ -44,15 +45,11 @@ def cost_section(rep: Report, cost: dict | None) -> None:
       rows,
     )
   )
-  fig, ax = plt.subplots(figsize=(8, 3.8))
   names = [r[0] for r in rows]
-  values = [med[n] * 1e3 for n in names]
-  ax.barh(names, values, color=[COLORS.get(n, "C9") for n in names])
-  ax.set_xscale("log")
-  ax.set_xlabel("ms per step (log)")
-  ax.set_title(
+  fig = plots.method_bars(
+    names, [med[n] * 1e3 for n in names],
     f"Update time, N={short(first['elements'])}, n={first['workers']}, "
-    f"d={first['density']} (one run)"
+    f"d={first['density']} (one run)",
   )
   rep.add(rep.save_plot(fig, "cost_target.png"))
 
@@ -111,28 +108,26 @@ def cost_section(rep: Report, cost: dict | None) -> None:
     "(full sort, see section 7), so at the target configuration they get one and "
     "two timed steps after an ahead-of-time compile."
   )
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-  for ax, key, label in (
-    (axes[0], "dense_psum", "exdyna / dense psum"),
-    (axes[1], "floor", "exdyna / floor"),
-  ):
-    for density, marker in ((0.001, "o"), (0.01, "s")):
-      for elements in sorted({m["elements"] for m in measured}):
-        pts = sorted(
-          (m["workers"], m["median_seconds"]["exdyna"] / m["median_seconds"][key])
-          for m in measured
-          if m["density"] == density
-          and m["elements"] == elements
-          and "exdyna" in m["median_seconds"]
-        )
-        if pts:
-          ax.plot(*zip(*pts, strict=True), marker=marker, label=f"N={short(elements)} d={density}")
-    ax.axhline(1.2 if key == "dense_psum" else 1.5, color="r", ls="--", lw=1, label="target")
-    ax.set_xlabel("workers n")
-    ax.set_ylabel(label)
-    ax.set_xticks([2, 4, 8])
-  axes[1].legend(fontsize=7)
+  fig = plots.ratio_panels(
+    [("exdyna / dense psum", 1.2, _ratio_curves(measured, "dense_psum")),
+     ("exdyna / floor", 1.5, _ratio_curves(measured, "floor"))])
   rep.add(rep.save_plot(fig, "cost_grid.png"))
+
+
+def _ratio_curves(measured: list[dict], key: str) -> plots.Curves:
+  """ExDyna's time over ``key``'s against n, a curve per (N, d)."""
+  curves = {}
+  for density in (0.001, 0.01):
+    for elements in sorted({m["elements"] for m in measured}):
+      points = sorted(
+        (m["workers"], m["median_seconds"]["exdyna"] / m["median_seconds"][key])
+        for m in measured
+        if m["density"] == density and m["elements"] == elements
+        and "exdyna" in m["median_seconds"]
+      )
+      if points:
+        curves[f"N={short(elements)} d={density}"] = points
+  return curves
 
 # ---------------------------------------------------------------------- 7. profile
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.report._format import Report, plt, short, table
+from benchmarks.report import plots
+from benchmarks.report._format import Report, short, table
 
 # ------------------------------------------------------------ 4-5. density, balance
 
@@ -87,30 +88,18 @@ def density_sections(rep: Report, density: dict | None) -> None:
       rows,
     )
   )
-  panels = _panels(runs)
-  columns = min(4, len(panels))
-  grid = -(-len(panels) // columns)
   for field, name, ylabel in (
     ("transmitted", "density_control.png", "sent / k"),
     ("imbalance", "balance.png", "imbalance (max / mean)"),
   ):
-    fig, axes = plt.subplots(grid, columns, figsize=(4.2 * columns, 3.2 * grid), squeeze=False)
-    for ax, (workload, d) in zip(axes.flat, panels, strict=False):
-      for r in runs:
-        if (r["workload"], r["density"]) == (workload, d):
-          values = np.asarray(r[field], float)
-          if field == "transmitted":
-            values = values / r["target"]
-          ax.plot(np.arange(1, len(values) + 1), values, lw=0.8,
-                  ls="-" if r["label"] == "after" else ":", label=r["label"])
-      if field == "transmitted":
-        ax.axhspan(0.97, 1.03, color="g", alpha=0.15)
-      ax.set_title(f"{WORKLOAD_NAMES.get(workload, workload)}, d = {d}", fontsize=9)
-      ax.set_xlabel("step")
-      ax.set_ylabel(ylabel)
-    for ax in list(axes.flat)[len(panels):]:
-      ax.axis("off")
-    axes[0][0].legend(fontsize=7)
+    panels = [
+      (f"{WORKLOAD_NAMES.get(workload, workload)}, d = {d}",
+       [(r["label"], np.asarray(r[field], float) / (r["target"] if field == "transmitted" else 1))
+        for r in runs if (r["workload"], r["density"]) == (workload, d)])
+      for workload, d in _panels(runs)
+    ]
+    band = (0.97, 1.03) if field == "transmitted" else None
+    fig = plots.training_panels(panels, ylabel, band)
     rep.add(rep.save_plot(fig, name))
   rep.add("## 5. Balance")
   rep.add(

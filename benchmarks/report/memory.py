@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.report._format import Report, mb, plt, short, table
+from benchmarks.report import plots
+from benchmarks.report._format import Report, mb, short, table
 
 # ----------------------------------------------------------------------- 6. memory
 
@@ -63,19 +64,10 @@ def memory_section(rep: Report, traffic: dict | None) -> None:
       )
     )
   density = traffic["densities"][0]
-  fig, ax = plt.subplots(figsize=(8, 3.5))
   sel = [r for r in rows8 if r["density"] == density]
-  names = [r["method"] for r in sel]
-  base = (
-    np.array(
-      [(r["memory"]["argument"] + r["memory"]["output"] - r["memory"]["alias"]) for r in sel]
-    )
-    / 2**20
-  )
+  base = np.array([r["memory"]["argument"] + r["memory"]["output"] - r["memory"]["alias"]
+                   for r in sel]) / 2**20
   temp = np.array([r["memory"]["temp"] for r in sel]) / 2**20
-  ax.barh(names, base, label="arguments + outputs - aliased")
-  ax.barh(names, temp, left=base, label="temporaries")
-  ax.set_xlabel("MiB per device")
-  ax.set_title(f"Memory of the update, n = 8, d = {density}, N = {short(size)}")
-  ax.legend(fontsize=7)
+  fig = plots.memory_bars([r["method"] for r in sel], base, temp,
+                          f"Memory of the update, n = 8, d = {density}, N = {short(size)}")
   rep.add(rep.save_plot(fig, "memory.png"))

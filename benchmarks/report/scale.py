@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks import _common
-from benchmarks.report._format import COLORS, Report, ms, plt, table
+from benchmarks.report import plots
+from benchmarks.report._format import Report, ms, table
+from benchmarks.report.traffic import plots_of
 
 # -------------------------------------------------------------------- 3. scale model
 
@@ -45,24 +47,10 @@ def scale_section(rep: Report, scale: dict | None, collectives: dict | None) -> 
         f"### Predicted ms per step, d = {density}, {link} Gb/s\n\n"
         + table(["method", *[f"n={n}" for n in ns]], rows)
       )
-  fig, axes = plt.subplots(len(densities), 4, figsize=(15, 3.6 * len(densities)), squeeze=False)
-  for i, density in enumerate(densities):
-    for j, link in enumerate(str(x) for x in scale["links_gbps"]):
-      ax = axes[i][j]
-      for name in _common.METHODS:
-        pts = sorted(
-          (p["workers"], p["seconds"][link] * 1e3)
-          for p in preds
-          if p["method"] == name and p["density"] == density
-        )
-        if pts:
-          ax.plot(*zip(*pts, strict=True), marker="o", ms=3, label=name, color=COLORS[name])
-      ax.set_xscale("log", base=2)
-      ax.set_yscale("log")
-      ax.set_title(f"{link} Gb/s, d = {density}")
-      ax.set_xlabel("workers n")
-      ax.set_ylabel("ms per step (model)")
-  axes[0][0].legend(fontsize=7)
+  panels = [[(f"{link} Gb/s, d = {density}",
+              plots_of(preds, density, lambda p, link=link: p["seconds"][link] * 1e3))
+             for link in (str(x) for x in scale["links_gbps"])] for density in densities]
+  fig = plots.method_curves(panels, "ms per step (model)", (15, 3.6 * len(densities)))
   rep.add(rep.save_plot(fig, "scale_model.png"))
   if not collectives:
     rep.add("_No `collectives.json`: the model was not checked on this machine._")

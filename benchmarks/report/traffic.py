@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from benchmarks import _common
-from benchmarks.report._format import COLORS, Report, plt, short, table
+from benchmarks.report import plots
+from benchmarks.report._format import Report, short, table
 
 # ------------------------------------------------------------------------ 2. traffic
 
@@ -103,20 +104,19 @@ def traffic_section(rep: Report, traffic: dict | None) -> None:
     f"### The collectives of one step, n = 8, d = {traffic['densities'][0]}\n\n"
     + table(["method", "op", "result shape", "inside", "bytes sent", "ring messages"], rows)
   )
-  fig, axes = plt.subplots(1, len(traffic["densities"]), figsize=(11, 4), squeeze=False)
-  for ax, density in zip(axes[0], traffic["densities"], strict=True):
-    for name in _common.METHODS:
-      pts = sorted(
-        (r["workers"], r["bytes"])
-        for r in traffic["rows"]
-        if r["method"] == name and r["density"] == density
-      )
-      if pts:
-        ax.plot(*zip(*pts, strict=True), marker="o", ms=3, label=name, color=COLORS[name])
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("workers n")
-    ax.set_ylabel("bytes sent per worker per step")
-    ax.set_title(f"d = {density}, N = {short(size)} (from compiled HLO)")
-  axes[0][0].legend(fontsize=7)
+  panels = [(f"d = {density}, N = {short(size)} (from compiled HLO)",
+             plots_of(traffic["rows"], density, lambda r: r["bytes"]))
+            for density in traffic["densities"]]
+  fig = plots.method_curves([panels], "bytes sent per worker per step", (11, 4))
   rep.add(rep.save_plot(fig, "traffic.png"))
+
+
+def plots_of(rows: list[dict], density: float, value) -> plots.Curves:
+  """Each registered method's ``value(row)`` against n at ``density``."""
+  curves = {}
+  for name in _common.METHODS:
+    points = sorted((r["workers"], value(r)) for r in rows
+                    if r["method"] == name and r["density"] == density)
+    if points:
+      curves[name] = points
+  return curves
