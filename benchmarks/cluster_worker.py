@@ -8,6 +8,11 @@ donated, the state returned first), trains ``--warmup`` steps, then times
 ``--steps`` steps, each blocked on, and process 0 prints one JSON line per
 method. ``compute`` is the same gradient and SGD with no exchange at all
 (each worker applies its own gradient): the step's compute alone.
+``hierarchical`` and ``hierarchical_psum`` (several devices per process) are
+ExDyna across the processes only, ``hierarchical(exdyna(axis_name="node"),
+fast_axis="local")`` on a ``("node", "local")`` mesh, one row per process:
+the gradient is reduce-scattered (``fast_reduce="scatter"``) or all-reduced
+(``"psum"``) densely inside each process first.
 
 The model is an MLP ``features-hidden-hidden-10`` on fixed random data,
 ``--batch`` examples per worker.
@@ -50,7 +55,11 @@ VARIANTS = {
     "topk": ("topk", {}),
     "cltk": ("cltk", {}),
     "hard_threshold": ("hard_threshold", {}),
+    "hierarchical": ("exdyna", {}),  # across processes only: see hierarchical_step
+    "hierarchical_psum": ("exdyna", {}),
 }
+NODE, LOCAL = "node", "local"
+FAST_REDUCE = {"hierarchical": "scatter", "hierarchical_psum": "psum"}
 
 
 def mlp_loss(layers, batch) -> jax.Array:
@@ -67,7 +76,39 @@ def make_tx(variant: str, density: float, learning_rate: float):
     return sgd
   if method != "dense":
     options = {"density": density, **options}
+  if variant in FAST_REDUCE:
+    sparsifier = exdyna_jax.get_sparsifier(method, axis_name=NODE, **options)
+    hierarchical = exdyna_jax.hierarchical(
+        sparsifier, fast_axis=LOCAL, fast_reduce=FAST_REDUCE[variant])
+    return optax.chain(hierarchical, sgd)
   return optax.chain(exdyna_jax.get_sparsifier(method, axis_name=AXIS, **options), sgd)
+
+
+def hierarchical_step(tx, per_worker_step, params, batch):
+  """``(train_step, opt_state, batch)`` on a ``("node", "local")`` mesh, a row per process.
+
+  The shard_map layout of docs/multihost.md: params replicated, the state
+  and the batch split over both axes (each device's state with a leading
+  axis of 1), gradients kept local (``check_vma=False``).
+  """
+  devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
+  mesh = jax.sharding.Mesh(devices, (NODE, LOCAL), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  every = jax.P((NODE, LOCAL))
+
+  def init(params):
+    return jax.tree.map(lambda leaf: leaf[None], tx.init(params))
+
+  def step(params, opt_state, batch):
+    params, opt_state = per_worker_step(params, jax.tree.map(lambda s: s[0], opt_state), batch)
+    return params, jax.tree.map(lambda leaf: leaf[None], opt_state)
+
+  opt_state = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=jax.P(), out_specs=every))(params)
+  train_step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(jax.P(), every, every),
+                                     out_specs=(jax.P(), every), check_vma=False),
+                       donate_argnums=(0, 1))
+  sharding = jax.sharding.NamedSharding(mesh, every)
+  batch = tuple(jax.device_put(part, sharding) for part in batch)  # the same device order
+  return train_step, opt_state, batch
 
 
 def calibrate(mesh, sizes=(16, 4096, 65536, 1 << 20, 4 << 20), repeats: int = 5) -> list[dict]:
@@ -110,7 +151,9 @@ def time_variant(variant, mesh, params, batch, args) -> dict:
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  if variant == "compute":  # each worker applies its own gradient: data_parallel refuses that
+  if variant in FAST_REDUCE:
+    train_step, opt_state, batch = hierarchical_step(tx, per_worker_step, params, batch)
+  elif variant == "compute":  # each worker applies its own gradient: data_parallel refuses that
     train_step = jax.jit(jax.shard_map(
         per_worker_step, mesh=mesh, in_specs=(jax.P(), jax.P(), jax.P(AXIS)),
         out_specs=(jax.P(), jax.P()), check_vma=False), donate_argnums=(0, 1))
@@ -138,7 +181,7 @@ def time_variant(variant, mesh, params, batch, args) -> dict:
             "median_ms": round(float(np.median(seconds)) * 1e3, 3),
             "mean_ms": round(elapsed / args.steps * 1e3, 3), "collectives": collectives}
   if variant != "compute":
-    stats = dp.stats(opt_state)
+    stats = exdyna_jax.get_stats(opt_state)
     result.update(transmitted=int(local_value(stats.transmitted)),
                   bytes_sent=int(local_value(stats.bytes_sent)))
   return result
