@@ -127,39 +127,6 @@ def micro_partitions(num_elements: int, num_workers: int) -> tuple[list[int], li
   return starts, sizes
 
 
-def micro(grads: np.ndarray, density: float, capacity: int) -> Trace:
-  """MiCRO (MiCRO) with the published threshold rule."""
-  num_workers, num_steps, num_elements = grads.shape
-  k = target(density, num_elements)
-  starts, sizes = micro_partitions(num_elements, num_workers)
-  threshold = initial_threshold(k)
-  residuals = np.zeros((num_workers, num_elements), F32)
-  previous_selected = None
-  record = _Recorder()
-  for t in range(num_steps):
-    if t >= 1:
-      threshold = F32(threshold * reference_factor(previous_selected, k))
-    accumulated = grads[:, t].astype(F32) + residuals
-    chosen, workloads = [], [0] * num_workers
-    selected = transmitted = 0
-    for w in range(num_workers):
-      p = (t % num_workers + w) % num_workers
-      begin, length = starts[p], sizes[p]
-      window = np.abs(accumulated[w, begin : begin + length])
-      passing = begin + np.flatnonzero(window >= threshold)
-      if passing.size == 0:
-        passing = np.asarray([begin + t % length])
-      chosen.append(passing[:capacity])
-      workloads[p] = passing.size
-      selected += passing.size
-      transmitted += min(passing.size, capacity)
-    update, residuals = aggregate(accumulated, np.concatenate(chosen))
-    overflow = selected - transmitted
-    record.add(update, residuals, threshold, selected, transmitted, overflow, workloads)
-    previous_selected = selected
-  return record.trace()
-
-
 def _error_feedback(grads: np.ndarray, choose) -> Trace:
   """Steps with error feedback; the update is the workers' mean at the union of their choices.
 
@@ -187,6 +154,34 @@ def topk(grads: np.ndarray, density: float) -> Trace:
     chosen = [top_k(magnitudes[w], k) for w in range(num_workers)]
     kth = min(magnitudes[w, chosen[w][-1]] for w in range(num_workers))
     return chosen, kth, num_workers * k, 0, [k] * num_workers
+
+  return _error_feedback(grads, choose)
+
+
+def micro(grads: np.ndarray, density: float, capacity: int) -> Trace:
+  """MiCRO (MiCRO) with the published threshold rule."""
+  num_workers, _, num_elements = grads.shape
+  k = target(density, num_elements)
+  starts, sizes = micro_partitions(num_elements, num_workers)
+  threshold, previous_selected = initial_threshold(k), None
+
+  def choose(t, accumulated):
+    nonlocal threshold, previous_selected
+    if t >= 1:
+      threshold = F32(threshold * reference_factor(previous_selected, k))
+    chosen, workloads = [], [0] * num_workers
+    for w in range(num_workers):
+      p = (t % num_workers + w) % num_workers
+      begin, length = starts[p], sizes[p]
+      window = np.abs(accumulated[w, begin : begin + length])
+      passing = begin + np.flatnonzero(window >= threshold)
+      if passing.size == 0:
+        passing = np.asarray([begin + t % length])
+      chosen.append(passing[:capacity])
+      workloads[p] = passing.size
+    previous_selected = selected = sum(workloads)
+    overflow = selected - sum(c.size for c in chosen)  # disjoint partitions: the union's size
+    return chosen, threshold, selected, overflow, workloads
 
   return _error_feedback(grads, choose)
 
