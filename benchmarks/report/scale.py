@@ -7,7 +7,7 @@ import numpy as np
 from benchmarks import _common
 from benchmarks.report import plots
 from benchmarks.report._format import Report, ms, table
-from benchmarks.report.traffic import plots_of
+from benchmarks.report.traffic import curves_by_method
 
 # -------------------------------------------------------------------- 3. scale model
 
@@ -48,7 +48,7 @@ def scale_section(rep: Report, scale: dict | None, collectives: dict | None) -> 
         + table(["method", *[f"n={n}" for n in ns]], rows)
       )
   panels = [[(f"{link} Gb/s, d = {density}",
-              plots_of(preds, density, lambda p, link=link: p["seconds"][link] * 1e3))
+              curves_by_method(preds, density, lambda p, link=link: p["seconds"][link] * 1e3))
              for link in (str(x) for x in scale["links_gbps"])] for density in densities]
   fig = plots.method_curves(panels, "ms per step (model)", (15, 3.6 * len(densities)))
   rep.add(rep.save_plot(fig, "scale_model.png"))

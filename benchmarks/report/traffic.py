@@ -105,13 +105,13 @@ def traffic_section(rep: Report, traffic: dict | None) -> None:
     + table(["method", "op", "result shape", "inside", "bytes sent", "ring messages"], rows)
   )
   panels = [(f"d = {density}, N = {short(size)} (from compiled HLO)",
-             plots_of(traffic["rows"], density, lambda r: r["bytes"]))
+             curves_by_method(traffic["rows"], density, lambda r: r["bytes"]))
             for density in traffic["densities"]]
   fig = plots.method_curves([panels], "bytes sent per worker per step", (11, 4))
   rep.add(rep.save_plot(fig, "traffic.png"))
 
 
-def plots_of(rows: list[dict], density: float, value) -> plots.Curves:
+def curves_by_method(rows: list[dict], density: float, value) -> plots.Curves:
   """Each registered method's ``value(row)`` against n at ``density``."""
   curves = {}
   for name in _common.METHODS:
