@@ -184,6 +184,21 @@ def check_reduction(how: str, where: str) -> None:
     raise ValueError(f"{where} is {how!r}; it must be one of {REDUCTIONS}.")
 
 
+def no_rule_error(changed: str, mean_rule: str) -> TypeError:
+  """The refusal of a step that changes per-worker state with no rule to combine it.
+
+  Args:
+    changed: what the step changed, e.g. "the field 'batch_stats'".
+    mean_rule: the call that averages it, e.g. "exdyna_jax.train_state_step(...)".
+  """
+  return TypeError(
+      f"The step changes {changed}, which each worker computes from its own batch, so the "
+      f"workers' values differ. Say how to combine them: {mean_rule} for an average "
+      "(BatchNorm statistics), or 'sum' to add up each worker's change (counters, metric "
+      "totals)."
+  )
+
+
 def combine_workers(how: str, before: jax.Array, after: jax.Array, axis_name: str, *,
                     name: str) -> jax.Array:
   """One value from every worker's ``after``, by the user's rule ``how``.

@@ -119,12 +119,8 @@ def combine(kind: str, name: str, before: jax.Array, after: jax.Array, axis_name
     return after
   if kind in _collectives.REDUCTIONS:
     return _collectives.combine_workers(kind, before, after, axis_name, name=name)
-  raise TypeError(
-      f"The step changes {name}, an nnx.{kind}, which each worker computes from its own "
-      "batch, so the workers' values differ. Say how to combine them: "
-      f"exdyna_jax.nnx_step(dp, reduce={{nnx.{kind}: 'mean'}}) for an average (BatchNorm "
-      "statistics), or 'sum' to add up each worker's change (counters, metric totals)."
-  )
+  raise _collectives.no_rule_error(
+      f"{name}, an nnx.{kind}", f"exdyna_jax.nnx_step(dp, reduce={{nnx.{kind}: 'mean'}})")
 
 
 def nnx_step(dp: _sharding.DataParallel, *, reduce: Mapping[type, str] | None = None

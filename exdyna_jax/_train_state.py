@@ -107,12 +107,9 @@ def combine_fields(before: Any, after: Any, reduce: Mapping[str, str], axis_name
     if all(a is b for a, b in zip(old_leaves, new_leaves, strict=True)):
       continue  # unchanged: the same value on every worker
     if field.name not in reduce:
-      raise TypeError(
-          f"The step changes the field {field.name!r}, which each worker computes from its "
-          "own batch, so the workers' values differ. Say how to combine them: "
-          f"exdyna_jax.train_state_step(dp, reduce={{{field.name!r}: 'mean'}}) for an average "
-          "(BatchNorm statistics), or 'sum' to add up each worker's change (counters)."
-      )
+      raise _collectives.no_rule_error(
+          f"the field {field.name!r}",
+          f"exdyna_jax.train_state_step(dp, reduce={{{field.name!r}: 'mean'}})")
     combine = functools.partial(_collectives.combine_workers, reduce[field.name],
                                 axis_name=axis_name, name=field.name)
     combined[field.name] = jax.tree.map(combine, old, new)
