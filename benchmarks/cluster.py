@@ -24,6 +24,13 @@ its collectives (`exdyna_jax.demo.hlo` ring counts of the compiled step,
 ``alpha`` and the bandwidth fitted to the calibration) against the measured
 exchange.
 
+Hierarchical (``--parts hierarchical``): 4 processes of 2 devices each, at
+1 Gb/s and unshaped, time compute only, dense and ExDyna over all 8 devices
+and ExDyna across the processes only, ``hierarchical(exdyna(axis_name="node"),
+fast_axis="local")`` with the in-process reduction a ``psum`` or a
+``psum_scatter`` (`cluster_worker.py`'s ``hierarchical_psum`` and
+``hierarchical``).
+
 Time to accuracy (``--parts accuracy``): 4 processes at 1 Gb/s and unshaped
 train the digits with the demo's `exdyna_jax.demo.cluster_worker` (an MLP 64-2048-2048-10,
 4.3M parameters, d = 0.01): dense for ``--accuracy-steps`` steps, then each
@@ -52,6 +59,9 @@ ACCURACY_CONFIG = {"density": 0.01, "eval_every": 10}
 ACCURACY_WORKERS, ACCURACY_RATES = 4, ("1gbit", "unshaped")
 RATES = ("100mbit", "1gbit", "unshaped")
 WORKERS = (2, 4, 8)
+HIERARCHICAL_PROCESSES, HIERARCHICAL_DEVICES = 4, 2
+HIERARCHICAL_RATES = ("1gbit", "unshaped")
+HIERARCHICAL_VARIANTS = ("compute", "dense", "exdyna", "hierarchical_psum", "hierarchical")
 STEP_VARIANTS = ("compute", "dense", "exdyna", "exdyna_nospill", "exdyna_reference", "micro",
                  "spardl", "topk", "cltk", "hard_threshold")
 
@@ -137,8 +147,9 @@ def main() -> None:
   parser.add_argument("--rates", default=",".join(RATES))
   parser.add_argument("--variants", default=",".join(STEP_VARIANTS))
   parser.add_argument("--steps", type=int, default=12)
-  parser.add_argument("--parts", default="steps,accuracy",
-                      help="steps (the step-time grid), accuracy (time to accuracy), "
+  parser.add_argument("--parts", default="steps,hierarchical,accuracy",
+                      help="steps (the step-time grid), hierarchical (2 devices per process), "
+                      "accuracy (time to accuracy), "
                       "summary (recomputed from the runs in --out); a part not run is kept")
   parser.add_argument("--accuracy-steps", type=int, default=300, help="dense's training steps")
   parser.add_argument("--quick", action="store_true", help="2 workers, 1gbit, 3 variants, 3 steps")
@@ -156,6 +167,8 @@ def main() -> None:
     result.update(runs={str(k): v for k, v in runs.items()}, summary=summarize(runs))
   if "summary" in parts and "runs" in result:  # again, from the runs kept
     result["summary"] = summarize({int(k): v for k, v in result["runs"].items()})
+  if "hierarchical" in parts:
+    result["hierarchical"] = hierarchical_runs(args)
   if "accuracy" in parts:
     steps, command = args.accuracy_steps, ACCURACY_WORKER
     if args.quick:
@@ -183,6 +196,20 @@ def step_grid(args) -> dict:
       runs[workers][rate] = cluster.run_workers(
           [*WORKER, *worker_args, "--calibrate"], processes=workers, link_rate=rate,
           timeout=args.timeout)
+  return runs
+
+
+def hierarchical_runs(args) -> dict:
+  """``{rate: records}`` of `HIERARCHICAL_PROCESSES` processes of 2 devices each."""
+  variants = ("compute", "hierarchical_psum") if args.quick else HIERARCHICAL_VARIANTS
+  command = [*WORKER, f"--variants={','.join(variants)}", f"--steps={args.steps}"]
+  runs = {}
+  for rate in HIERARCHICAL_RATES[:1] if args.quick else HIERARCHICAL_RATES:
+    _common.log(f"hierarchical: {HIERARCHICAL_PROCESSES} processes of {HIERARCHICAL_DEVICES} "
+                f"devices at {rate}")
+    runs[rate] = cluster.run_workers(
+        command, processes=HIERARCHICAL_PROCESSES, devices_per_process=HIERARCHICAL_DEVICES,
+        link_rate=rate, timeout=args.timeout)
   return runs
 
 

@@ -13,6 +13,8 @@ density_control     K/k, imbalance and overflow over training
 training_options    density warm-up and bf16 values: accuracy and bytes
                     (``training_options.py``)
 profile             static pass count and timing variants (``profile_update.py``)
+optimizer_state     momentum and Adam after the sparsifier: step, temporaries,
+                    weight copies (``optimizer_state.py``)
 cost                update time grid, inside a time budget (``cost.py``)
 cluster             the train step and time to accuracy over shaped links
                     (``cluster.py``; needs root, about 45 minutes: only run
@@ -42,6 +44,7 @@ PARTS = (
   "density_control",
   "training_options",
   "profile",
+  "optimizer_state",
   "cost",
   "cluster",
   "report",
@@ -62,6 +65,7 @@ def commands(results: pathlib.Path, quick: bool, cost_budget: float) -> dict[str
     "density_control": ["density_control", *density, *out["density_control"]],
     "training_options": ["training_options", *q, *out["training_options"]],
     "profile": ["profile_update", *q, *out["profile"]],
+    "optimizer_state": ["optimizer_state", *q, *out["optimizer_state"]],
     "cost": ["cost", *q, "--budget", str(cost_budget), *out["cost"]],
     "cluster": ["cluster", *q, *out["cluster"]],
     "report": ["report", "--results", str(results)],

@@ -4,9 +4,9 @@ Run: python -m benchmarks.report [--results DIR]
 
 Reads ``cost.json``, ``traffic.json``, ``collectives.json``,
 ``scale_model.json``, ``density_control.json``, ``training_options.json``,
-``profile.json`` and ``cluster.json`` (any may be missing; its section then
-says so) and writes ``REPORT.md`` plus ``*.png`` next to them. Each section
-is a module of this package.
+``profile.json``, ``optimizer_state.json`` and ``cluster.json`` (any may be
+missing; its section then says so) and writes ``REPORT.md`` plus ``*.png``
+next to them. Each section is a module of this package.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def main():
   results = pathlib.Path(args.results)
   names = (
       "cost", "traffic", "collectives", "scale_model", "density_control", "training_options",
-      "profile", "cluster",
+      "profile", "optimizer_state", "cluster",
   )
   sources = {name: load(results, name) for name in names}
   rep = Report(results)
@@ -82,6 +82,7 @@ def main():
   density.density_sections(rep, sources["density_control"])
   density.training_options_section(rep, sources["training_options"])
   memory.memory_section(rep, sources["traffic"])
+  memory.optimizer_state_section(rep, sources["optimizer_state"])
   cost.profile_section(rep, sources["profile"], sources["cost"])
   cluster.cluster_section(rep, sources["cluster"], table)
   targets = (

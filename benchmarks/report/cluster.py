@@ -11,7 +11,8 @@ TARGET_WORKERS, TARGET_RATE = "4", "1gbit"
 ORDER = ("compute", "dense", "exdyna", "exdyna_nospill", "exdyna_reference", "micro", "spardl",
          "topk", "cltk", "hard_threshold")
 LABELS = {"compute": "compute only", "exdyna_nospill": "exdyna spill=False",
-          "exdyna_reference": "exdyna reference"}
+          "exdyna_reference": "exdyna reference", "hierarchical_psum": "hierarchical, psum",
+          "hierarchical": "hierarchical, psum_scatter"}
 
 
 def _rates(summary: dict) -> list[str]:
@@ -71,6 +72,16 @@ def _plot_steps(rep, summary: dict) -> str:
   return rep.save_plot(plots.step_curves(rates, curves, title), "cluster_steps.png")
 
 
+def _hierarchical_table(runs: dict, table) -> str:
+  rates = list(runs)
+  steps = {rate: {r["variant"]: r["mean_ms"] for r in records if "variant" in r}
+           for rate, records in runs.items()}
+  variants = [v for v in steps[rates[0]]]
+  rows = [[LABELS.get(v, v), *(f"{steps[r][v]:,.0f}" if v in steps[r] else "" for r in rates)]
+          for v in variants]
+  return table(["method", *(f"step ms, {r}" for r in rates)], rows)
+
+
 def _accuracy_tables(rep, accuracy: dict, table) -> list[str]:
   parts = []
   for rate, runs in accuracy.items():
@@ -118,6 +129,15 @@ def cluster_section(rep, cluster: dict[str, Any] | None, table) -> None:
         parts += [f"**Breakdown, n = {workers}, {rate}** (alpha and bandwidth fitted to "
                   f"this run's psum and all_gather calibration: "
                   f"{_link_text(rows, rate)})", "", _breakdown_table(rows, rate, table), ""]
+  if cluster.get("hierarchical"):
+    parts += ["### Two devices per process", "",
+              "`python -m benchmarks.cluster --parts hierarchical`: 4 processes of 2 CPU "
+              "devices each (8 workers; every process shares the same 2 cores). Dense and "
+              "ExDyna run over all 8 devices; hierarchical runs ExDyna across the 4 processes "
+              "only, `hierarchical(exdyna(0.001, axis_name=\"node\"), fast_axis=\"local\")` "
+              "on a `(\"node\", \"local\")` mesh, the gradient first reduced inside each "
+              "process by a `psum` or a `psum_scatter`. Mean ms a step.", "",
+              _hierarchical_table(cluster["hierarchical"], table), ""]
   accuracy = cluster.get("time_to_accuracy")
   if accuracy:
     parts += ["### Time to accuracy", "", *_accuracy_tables(rep, accuracy, table)]

@@ -71,3 +71,21 @@ def memory_section(rep: Report, traffic: dict | None) -> None:
   fig = plots.memory_bars([r["method"] for r in sel], base, temp,
                           f"Memory of the update, n = 8, d = {density}, N = {short(size)}")
   rep.add(rep.save_plot(fig, "memory.png"))
+
+
+def optimizer_state_section(rep: Report, runs: dict | None) -> None:
+  """Step time, temporaries and weight copies with an optimizer state after the sparsifier."""
+  rep.add("## 6b. The optimizer after the sparsifier (`optimizer_state.py`)")
+  if not runs:
+    rep.add("_Not run (`python -m benchmarks.optimizer_state`)._")
+    return
+  config = runs["config"]
+  rows = [[row["method"], row["inner"], f"{row['step_ms']:.1f}", f"{row['temp_mib']:.1f}",
+           row["big_copies"]] for row in runs["rows"]]
+  rep.add(
+      f"The donated `data_parallel(...).step` on {config['devices']} CPU devices, an MLP "
+      f"{'-'.join(map(str, config['sizes']))}, {config['batch']} examples per worker, "
+      f"d = {config['density']} for ExDyna: the median step, the compiled step's "
+      "temporaries and its `copy` ops of weight-sized arrays.\n\n"
+      + table(["method", "after it", "step ms", "temporaries MiB", "weight-sized copies"], rows)
+  )
