@@ -200,7 +200,7 @@ def step_grid(args) -> dict:
 
 
 def hierarchical_runs(args) -> dict:
-  """``{rate: records}`` of `HIERARCHICAL_PROCESSES` processes of 2 devices each."""
+  """``{rate: records}``: `HIERARCHICAL_PROCESSES` processes of `HIERARCHICAL_DEVICES` each."""
   variants = ("compute", "hierarchical_psum") if args.quick else HIERARCHICAL_VARIANTS
   command = [*WORKER, f"--variants={','.join(variants)}", f"--steps={args.steps}"]
   runs = {}

@@ -76,9 +76,8 @@ def _hierarchical_table(runs: dict, table) -> str:
   rates = list(runs)
   steps = {rate: {r["variant"]: r["mean_ms"] for r in records if "variant" in r}
            for rate, records in runs.items()}
-  variants = [v for v in steps[rates[0]]]
   rows = [[LABELS.get(v, v), *(f"{steps[r][v]:,.0f}" if v in steps[r] else "" for r in rates)]
-          for v in variants]
+          for v in steps[rates[0]]]
   return table(["method", *(f"step ms, {r}" for r in rates)], rows)
 
 
