@@ -62,13 +62,6 @@ NODE, LOCAL = "node", "local"
 FAST_REDUCE = {"hierarchical": "scatter", "hierarchical_psum": "psum"}
 
 
-def mlp_loss(layers, batch) -> jax.Array:
-  """Mean softmax cross-entropy of the MLP on ``(inputs, integer labels)``."""
-  inputs, labels = batch
-  logits = tasks.mlp_logits(layers, inputs)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-
 def make_tx(variant: str, density: float, learning_rate: float):
   method, options = VARIANTS[variant]
   sgd = optax.sgd(learning_rate)
@@ -147,7 +140,7 @@ def time_variant(variant, mesh, params, batch, args) -> dict:
   tx = make_tx(variant, args.density, args.learning_rate)
 
   def per_worker_step(params, opt_state, batch):
-    grads = jax.grad(mlp_loss)(params, batch)
+    grads = jax.grad(tasks.mlp_loss)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 

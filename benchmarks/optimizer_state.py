@@ -8,18 +8,18 @@ dense or ExDyna (d = 0.001) and ``inner`` plain SGD, SGD with momentum 0.9 or
 Adam, on the demo's digits MLP widened (64-2048-2048-10, 4.3M parameters, 32
 examples per worker). From the compiled step it also reads the temporaries
 (``memory_analysis()``) and the ``copy`` ops of gradient-sized arrays (at
-least an eighth of the largest leaf): a trace or a moment after the sparsifier
-should cost its own read and write, not copies of the weights.
+least an eighth of the largest leaf's bytes): a trace or a moment after the
+sparsifier should cost its own read and write, not copies of the weights.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import time
 
 from benchmarks import _common
+from exdyna_jax.demo import hlo
 
 INNER = ("sgd", "momentum", "adam")
 SIZES = (64, 2048, 2048, 10)
@@ -33,15 +33,13 @@ def inner_optimizer(name: str):
           "adam": lambda: optax.adam(1e-3)}[name]()
 
 
-def big_copies(hlo_text: str, min_elements: int) -> int:
-  """``copy`` ops in the entry computation whose result has ``min_elements`` or more."""
-  entry = hlo_text[hlo_text.index("\nENTRY"):]
+def big_copies(hlo_text: str, min_bytes: int) -> int:
+  """``copy`` ops in the entry computation whose result has ``min_bytes`` or more."""
+  computations, entry = hlo.parse_module(hlo_text)
   count = 0
-  for shape in re.findall(r"= f32\[([\d,]*)\]\{[\d,]*\} copy\(", entry):
-    elements = 1
-    for size in filter(None, shape.split(",")):
-      elements *= int(size)
-    count += elements >= min_elements
+  for line in computations[entry]:
+    type_text, rest = hlo.split_type(hlo.INSTRUCTION.match(line).group(2).strip())
+    count += rest.startswith("copy(") and hlo.shape_bytes(type_text)[0] >= min_bytes
   return count
 
 
@@ -59,14 +57,9 @@ def time_step(method: str, inner: str, steps: int) -> dict:
   tx = optax.chain(sparsifier, inner_optimizer(inner))
   dp = exdyna_jax.data_parallel(tx, mesh)
 
-  def loss_fn(params, batch):
-    inputs, labels = batch
-    logits = tasks.mlp_logits(params, inputs)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
   @dp.step
   def train_step(params, opt_state, batch):
-    grads = jax.grad(loss_fn)(params, batch)
+    grads = jax.grad(tasks.mlp_loss)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
@@ -82,7 +75,7 @@ def time_step(method: str, inner: str, steps: int) -> dict:
     start = time.perf_counter()
     params, opt_state = jax.block_until_ready(train_step(params, opt_state, batch))
     seconds.append(time.perf_counter() - start)
-  largest = max(leaf.size for leaf in jax.tree.leaves(params))
+  largest = max(leaf.nbytes for leaf in jax.tree.leaves(params))
   return {"method": method, "inner": inner,
           "step_ms": round(statistics.median(seconds) * 1e3, 2),
           "temp_mib": round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 1),

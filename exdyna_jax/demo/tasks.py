@@ -38,6 +38,13 @@ def mlp_logits(layers: list[dict[str, jax.Array]], x: jax.Array) -> jax.Array:
   return x @ layers[-1]["w"] + layers[-1]["b"]
 
 
+def mlp_loss(layers: list[dict[str, jax.Array]], batch: tuple[jax.Array, jax.Array]
+             ) -> jax.Array:
+  """Mean softmax cross-entropy of `mlp_logits` on ``(inputs, integer labels)``."""
+  inputs, labels = batch
+  return optax.softmax_cross_entropy_with_integer_labels(mlp_logits(layers, inputs), labels).mean()
+
+
 def digits_classifier_task(
     name: str,
     init_params: Callable[[jax.Array], Any],
