@@ -17,7 +17,7 @@ median ms of each:
   sparsifier);
 * ``flat_scatter_constant``: the same with a constant gradient tree (no
   backward pass);
-* ``tree_psum``: ``psum`` of the gradient tree over ``"local"`` (psum mode);
+* ``tree_psum``: ``pmean`` of the gradient tree over ``"local"`` (psum mode);
 * ``flat_gather``: the concatenated gradient's own slice, ``all_gather``-ed.
 """
 
@@ -60,6 +60,7 @@ def exchange(variant: str, grads):
 
 
 def median_ms(variant: str, mesh, params, batch, steps: int = 5) -> float:
+  """Median ms of the variant's donated step, after one step off the clock."""
   def step(params, batch):
     if variant == "flat_scatter_constant":
       grads = jax.tree.map(lambda p: jnp.full_like(p, batch[0][0, 0]), params)
