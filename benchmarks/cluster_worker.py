@@ -77,15 +77,21 @@ def make_tx(variant: str, density: float, learning_rate: float):
   return optax.chain(exdyna_jax.get_sparsifier(method, axis_name=AXIS, **options), sgd)
 
 
+def node_local_mesh() -> jax.sharding.Mesh:
+  """A ``("node", "local")`` mesh: a row per process, its devices along ``"local"``."""
+  devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
+  return jax.sharding.Mesh(devices, (NODE, LOCAL),
+                           axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
 def hierarchical_step(tx, per_worker_step, params, batch):
-  """``(train_step, opt_state, batch)`` on a ``("node", "local")`` mesh, a row per process.
+  """``(train_step, opt_state, batch)`` on a `node_local_mesh`.
 
   The shard_map layout of docs/multihost.md: params replicated, the state
   and the batch split over both axes (each device's state with a leading
   axis of 1), gradients kept local (``check_vma=False``).
   """
-  devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
-  mesh = jax.sharding.Mesh(devices, (NODE, LOCAL), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  mesh = node_local_mesh()
   every = jax.P((NODE, LOCAL))
 
   def init(params):

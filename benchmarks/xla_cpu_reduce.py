@@ -23,21 +23,18 @@ median ms of each:
 
 from __future__ import annotations
 
-from exdyna_jax import launch
+import time
 
-launch.initialize_from_env()
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
 
-import time  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
-
-from exdyna_jax.demo import tasks  # noqa: E402
+# Importing the cluster worker joins the multi-process run (before any computation).
+from benchmarks.cluster_worker import LOCAL, NODE, node_local_mesh
+from exdyna_jax.demo import tasks
 
 SIZES = (256, 2048, 2048, 10)
-LOCAL = "local"
 
 
 def exchange(variant: str, grads):
@@ -69,7 +66,7 @@ def median_ms(variant: str, mesh, params, batch, steps: int = 5) -> float:
     updates = exchange(variant.removesuffix("_constant"), grads)
     return jax.tree.map(lambda p, u: p - 0.01 * u, params, updates)
 
-  every = jax.P(("node", LOCAL))
+  every = jax.P((NODE, LOCAL))
   train_step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(jax.P(), every),
                                      out_specs=jax.P(), check_vma=False), donate_argnums=0)
   params = jax.block_until_ready(train_step(jax.tree.map(jnp.copy, params), batch))
@@ -83,15 +80,13 @@ def median_ms(variant: str, mesh, params, batch, steps: int = 5) -> float:
 
 
 def main() -> None:
-  devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
-  mesh = jax.sharding.Mesh(devices, ("node", LOCAL),
-                           axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  mesh = node_local_mesh()
   params = tasks.init_mlp(jax.random.key(0), SIZES)
   rng = np.random.default_rng(0)
   count = 32 * jax.local_device_count()  # this process's examples
   local = (rng.normal(size=(count, SIZES[0])).astype(np.float32),
            rng.integers(0, SIZES[-1], count).astype(np.int32))
-  sharding = jax.sharding.NamedSharding(mesh, jax.P(("node", LOCAL)))
+  sharding = jax.sharding.NamedSharding(mesh, jax.P((NODE, LOCAL)))
   batch = tuple(jax.make_array_from_process_local_data(sharding, part) for part in local)
   for variant in ("flat_scatter", "flat_scatter_constant", "tree_psum", "flat_gather"):
     ms = median_ms(variant, mesh, params, batch)
