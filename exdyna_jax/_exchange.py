@@ -12,23 +12,19 @@ transmitted index.
 Writing with *set* (not add) makes duplicate indices harmless: all copies of an
 index carry the same summed value.
 
-With a `Spill`, only the first ``head`` slots of each buffer go through the
-``all_gather``; the rest of every worker's indices are packed end to end into
-one buffer shared by all workers and summed with an int32 ``psum``
-(`_collectives.concatenate_ragged`). Index slots are then paid for where the
-selections are, not in every worker's padding: a worker whose count swings
-far above ``k / n`` borrows the slots the others left.
+With a `_spill.Spill`, only the first ``head`` slots of each buffer go
+through the ``all_gather`` and the rest spill into slots shared by all
+workers (`_spill`).
 """
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from exdyna_jax import _collectives
+from exdyna_jax import _collectives, _spill
 
 
 class SparseUpdate(NamedTuple):
@@ -115,7 +111,7 @@ class Exchanged(NamedTuple):
     sparse: the `SparseUpdate`: every gathered index with the mean of all
       workers' accumulated gradients there; identical on every worker.
     gathered_indices: int32 ``[n, C]`` every worker's index buffer as it
-      arrived (with a `Spill`, less what found no slot).
+      arrived (with a `_spill.Spill`, less what found no slot).
     gathered_info: int32 ``[n, S]`` every worker's side information.
     bytes_sent: static bytes one worker sent (`exchange_bytes` of what
       `exchange` sent): what ``stats.bytes_sent`` reports for it.
@@ -127,58 +123,12 @@ class Exchanged(NamedTuple):
   bytes_sent: int
 
 
-class Spill(NamedTuple):
-  """How index buffers of ``C`` slots travel when only their heads are all-gathered.
-
-  Attributes:
-    head: index slots per worker in the ``all_gather`` (``< C``).
-    slots: slots of the buffer shared by all workers that the rest of each
-      worker's indices spill into, one worker after the other (one int32
-      ``psum``); what does not fit is not sent.
-  """
-
-  head: int
-  slots: int
-
-
-# With the adaptive controller only the head of each index buffer is
-# all-gathered, SPILL_HEAD k / n slots; the rest spills into slots shared by
-# all workers (`Spill`): room for one worker's whole tail, and at
-# least SPILL_SHARE k. A worker's count swings far above k / n on some
-# steps, but rarely several workers' at once.
-SPILL_HEAD = 1.2
-SPILL_SHARE = 0.3
-
-
-def default_spill(target: int, capacity: int, num_workers: int) -> Spill | None:
-  """How buffers of ``capacity`` slots are sent with the adaptive controller.
-
-  Args:
-    target: ``k``.
-    capacity: ``C``, index slots per worker.
-    num_workers: ``n``.
-
-  Returns:
-    A `Spill` of ``H = ceil(SPILL_HEAD k / n)`` gathered slots per
-    worker and ``P = max(ceil(SPILL_SHARE k), C - H)`` shared ones; or None
-    where that would not send fewer bytes than gathering whole buffers (a
-    ring all-reduce of ``P`` slots costs ``2 P / n`` gathered slots per
-    worker, so where ``2 P >= n (C - H)``: on 2 workers, or for ``C = 1.5 k / n``).
-  """
-  head = math.ceil(SPILL_HEAD * target / num_workers)
-  tail = capacity - head
-  slots = max(math.ceil(SPILL_SHARE * target), tail)
-  if 2 * slots >= num_workers * tail:
-    return None
-  return Spill(head, slots)
-
-
 def gather_indices(
     indices: jax.Array,
     side_info: jax.Array,
     axis_name: str,
     *,
-    spill: Spill | None = None,
+    spill: _spill.Spill | None = None,
     num_elements: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """All-gathers every worker's index buffer with its side information.
@@ -194,7 +144,7 @@ def gather_indices(
       ``spill``, every index before every sentinel (as a selection's are).
     side_info: int32 ``[S]`` small per-worker integers every worker needs.
     axis_name: the data-parallel axis.
-    spill: the `Spill` layout, or None to gather the whole buffers.
+    spill: the `_spill.Spill` layout, or None to gather the whole buffers.
     num_elements: ``N``, the sentinel (needed with ``spill``).
 
   Returns:
@@ -203,25 +153,13 @@ def gather_indices(
     neither part are the sentinel: the last ones of the workers whose spill
     came last.
   """
-  capacity = indices.shape[0]
   if spill is None:
+    capacity = indices.shape[0]
     buffer = jnp.concatenate([indices, side_info.astype(jnp.int32)])
     gathered = _collectives.all_gather(buffer, axis_name)
     return gathered[:, :capacity], gathered[:, capacity:]
 
-  head = spill.head
-  count = jnp.sum(indices < num_elements, dtype=jnp.int32)
-  buffer = jnp.concatenate([indices[:head], side_info.astype(jnp.int32), count[None]])
-  gathered = _collectives.all_gather(buffer, axis_name)
-  heads, gathered_info, counts = gathered[:, :head], gathered[:, head:-1], gathered[:, -1]
-  spilled = jnp.maximum(counts - head, 0)
-  shared, offsets = _collectives.concatenate_ragged(
-      indices[head:], spilled, spill.slots, axis_name
-  )
-  rank = jnp.arange(capacity - head, dtype=jnp.int32)
-  tails = shared.at[offsets[:, None] + rank].get(mode="fill", fill_value=-1)
-  tails = jnp.where((rank < spilled[:, None]) & (tails >= 0), tails, num_elements)
-  return jnp.concatenate([heads, tails], axis=1), gathered_info
+  return _spill.gather_spilled(indices, side_info, axis_name, spill, num_elements)
 
 
 def aggregate_at(
@@ -289,7 +227,7 @@ def exchange(
     *,
     value_slots: int | None = None,
     value_dtype: jnp.dtype = jnp.float32,
-    spill: Spill | None = None,
+    spill: _spill.Spill | None = None,
 ) -> Exchanged:
   """All-gathers index buffers (and side information) and sums the values there.
 
@@ -305,7 +243,7 @@ def exchange(
     axis_name: the data-parallel axis.
     value_slots: static number of values summed, or None for all ``n C``.
     value_dtype: the dtype the values are summed in (`aggregate_at`).
-    spill: gather only the buffers' heads and spill the rest (`Spill`), or
+    spill: gather only the buffers' heads and spill the rest (`_spill.Spill`), or
       None.
 
   Returns:
@@ -349,23 +287,15 @@ def exchange_bytes(
     side_info: int,
     value_slots: int | None = None,
     value_bytes: int = _collectives.VALUE_BYTES,
-    spill: Spill | None = None,
+    spill: _spill.Spill | None = None,
 ) -> int:
   """Bytes one worker sends per step in `exchange`, for ring collectives.
 
-  A ring all-gather of ``M`` bytes per worker sends ``(n-1) M``; a ring
-  all-reduce of ``M`` bytes sends ``2 (n-1) / n M``. The values all-reduced are
-  ``value_slots`` values of ``value_bytes`` each, or ``n C`` without compaction.
-  With ``spill`` the all-gather carries ``spill.head`` indices and a count,
-  and the spill buffer is all-reduced.
+  The index buffers' (`_spill.index_bytes`), then the values': a ring
+  all-reduce of ``M`` bytes sends ``2 (n-1) / n M``, here ``value_slots``
+  values of ``value_bytes`` each, or ``n C`` without compaction.
   """
   if value_slots is None:
     value_slots = num_workers * capacity
-  gathered_slots, spilled = capacity, 0
-  if spill is not None:
-    gathered_slots, spilled = spill.head + 1, spill.slots
-  gathered_bytes = (gathered_slots + side_info) * _collectives.INDEX_BYTES
-  gather = _collectives.ring_all_gather_bytes(num_workers, gathered_bytes)
-  spill_bytes = _collectives.ring_all_reduce_bytes(num_workers, spilled * _collectives.INDEX_BYTES)
   reduce = _collectives.ring_all_reduce_bytes(num_workers, value_slots * value_bytes)
-  return gather + spill_bytes + reduce
+  return _spill.index_bytes(num_workers, capacity, side_info, spill) + reduce

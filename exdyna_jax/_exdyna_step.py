@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from exdyna_jax import _exchange, _options, _partition, _selection, _stats, _threshold
+from exdyna_jax import _exchange, _options, _partition, _selection, _spill, _stats, _threshold
 
 
 class ExDynaState(NamedTuple):
@@ -101,7 +101,7 @@ class StepPlan(NamedTuple):
   geometry: _partition.BlockGeometry
   budget: _threshold.Budget
   packed_slots: int | None
-  spill: _exchange.Spill | None
+  spill: _spill.Spill | None
   chunk: int
 
 
@@ -114,14 +114,14 @@ def plan_step(
     num_blocks: int | None,
     capacity_factor: float | None,
     controller: _threshold.ThresholdController,
-    spill: bool,
+    spill: bool | None,
 ) -> StepPlan:
   """The `StepPlan` of ``N`` elements on ``n`` workers at ``density``.
 
   The published exchange gathers and sums every buffer slot; a steered
-  density (a controller with probes) lets the buffers' tails spill into
-  shared slots and the gathered indices be packed into about ``k`` value
-  slots.
+  density (a controller with probes) lets the gathered indices be packed
+  into about ``k`` value slots and the buffers' tails spill into shared
+  slots (`_spill.choose_spill`).
   """
   geometry = partitioner.geometry(num_elements, num_workers, num_blocks)
   target = _options.target_count(density, num_elements)
@@ -131,7 +131,7 @@ def plan_step(
   slots, spill_layout = num_workers * capacity, None
   if controller.num_probes:
     slots = _options.value_slots(target, capacity, num_workers)
-    spill_layout = _exchange.default_spill(target, capacity, num_workers) if spill else None
+    spill_layout = _spill.choose_spill(spill, target, capacity, num_workers)
   return StepPlan(
       geometry=geometry,
       budget=_threshold.Budget(target, capacity, slots),

@@ -62,10 +62,14 @@ def check_capacity_factor(capacity_factor: float) -> float:
   )
 
 
-def check_flag(value, name: str, meaning: str) -> bool:
-  """Returns ``value`` if it is a bool, or raises a TypeError that says what it switches."""
+def check_flag(value, name: str, meaning: str, *, optional: bool = False) -> bool | None:
+  """Returns ``value`` if it is a bool (or None, if ``optional``), or raises a
+  TypeError that says what it switches."""
+  if optional and value is None:
+    return None
   if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{name} must be True or False ({meaning}), got {value!r}.")
+    choices = "True, False or None" if optional else "True or False"
+    raise TypeError(f"{name} must be {choices} ({meaning}), got {value!r}.")
   return bool(value)
 
 

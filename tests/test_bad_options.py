@@ -61,9 +61,9 @@ def test_capacity_multiples_must_be_positive_and_finite_and_say_their_unit(
     exdyna_jax.get_sparsifier(name, density=0.01, **{option: factor})
 
 
-@pytest.mark.parametrize("value", ["no", 0, None, np.zeros(1)])
-def test_spill_must_be_a_bool(value):
-  with pytest.raises(TypeError, match="spill must be True or False"):
+@pytest.mark.parametrize("value", ["no", 0, "auto", np.zeros(1)])
+def test_spill_must_be_a_bool_or_none(value):
+  with pytest.raises(TypeError, match="spill must be True, False or None"):
     exdyna_jax.exdyna(0.01, spill=value)
 
 
