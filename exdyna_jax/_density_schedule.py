@@ -165,11 +165,13 @@ def scheduled_step(
     slots = max(shape.indices.shape[0] for shape in shapes)
 
     def padded(sparse):
-      pad = slots - sparse.indices.shape[0]
+      live = sparse.indices.shape[0]
+      pad = slots - live
       sparse = _exchange.SparseUpdate(
           jnp.pad(sparse.indices, (0, pad), constant_values=num_elements),
           jnp.pad(sparse.values, (0, pad)),
           None if sparse.kept is None else jnp.pad(sparse.kept, (0, pad)),
+          live=jnp.int32(live),
       )
       if has_dense:
         sparse = sparse._replace(
@@ -199,7 +201,7 @@ def scheduled_step(
           ),
       )
       nothing = _exchange.SparseUpdate.nothing(shapes[0], num_elements, axis_name)
-      nothing = padded(nothing)._replace(base=mean, sent_all=jnp.bool_(True))
+      nothing = padded(nothing)._replace(base=mean, sent_all=jnp.bool_(True), live=jnp.int32(0))
       return nothing, state._replace(residual=None, stats=stats)
 
     branches = [dense_branch if s is None else sparse_branch(s) for s in steps]

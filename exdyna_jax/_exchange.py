@@ -53,6 +53,9 @@ class SparseUpdate(NamedTuple):
       has one: the mean at a dense step, zeros otherwise).
     sent_all: bool, True where every coordinate was sent (a dense step of a
       schedule): the residual is cleared everywhere. None: never.
+    live: int32, how many leading slots may hold an index (the rest hold
+      the sentinel), or None: all ``M``. A schedule pads each level's update
+      to its largest level's slots; the writes read only the live ones.
   """
 
   indices: jax.Array
@@ -60,6 +63,7 @@ class SparseUpdate(NamedTuple):
   kept: jax.Array | None = None
   base: jax.Array | None = None
   sent_all: jax.Array | None = None
+  live: jax.Array | None = None
 
   @classmethod
   def nothing(cls, like: SparseUpdate, num_elements: int, axis_name: str) -> SparseUpdate:
@@ -76,6 +80,8 @@ class SparseUpdate(NamedTuple):
       nothing = nothing._replace(
           base=jnp.zeros(like.base.shape, like.base.dtype), sent_all=jnp.bool_(False)
       )
+    if like.live is not None:
+      nothing = nothing._replace(live=jnp.int32(0))
     return nothing
 
   def dense(self, num_elements: int) -> jax.Array:
@@ -94,14 +100,39 @@ class SparseUpdate(NamedTuple):
     else:
       zero = jnp.min(self.indices, initial=0).astype(self.values.dtype)
       start = jnp.full((num_elements,), zero)
-    return start.at[self.indices].set(self.values, mode="drop")
+    return self.write(start, self.values)
 
   def clear(self, accumulated: jax.Array) -> jax.Array:
     """``accumulated`` (``[..., N]``) with ``kept`` (or zero) at ``indices`` (in place),
     zero everywhere where ``sent_all``."""
-    kept = 0.0 if self.kept is None else self.kept
-    cleared = accumulated.at[..., self.indices].set(kept, mode="drop")
+    cleared = self.write(accumulated, 0.0 if self.kept is None else self.kept)
     return cleared if self.sent_all is None else jnp.where(self.sent_all, 0.0, cleared)
+
+  def write(self, target: jax.Array, updates: jax.Array | float) -> jax.Array:
+    """``target`` (``[..., N]``) with ``updates`` (``[M]`` or a scalar) set at ``indices``.
+
+    With ``live``, a loop over chunks of `LIVE_CHUNK` slots reads only the
+    live ones (the last chunk shifts left and sets its overlap twice, to the
+    same values), so a schedule's current level costs its own slots, not its
+    largest level's.
+    """
+    slots = self.indices.shape[0]
+    if self.live is None or slots <= LIVE_CHUNK:
+      return target.at[..., self.indices].set(updates, mode="drop")
+
+    def write_chunk(chunk, target):
+      start = jnp.minimum(chunk * LIVE_CHUNK, slots - LIVE_CHUNK)
+      indices = jax.lax.dynamic_slice_in_dim(self.indices, start, LIVE_CHUNK)
+      if jnp.ndim(updates):
+        return target.at[..., indices].set(
+            jax.lax.dynamic_slice_in_dim(updates, start, LIVE_CHUNK), mode="drop")
+      return target.at[..., indices].set(updates, mode="drop")
+
+    return jax.lax.fori_loop(0, -(-self.live // LIVE_CHUNK), write_chunk, target)
+
+
+# Slots a `SparseUpdate` with ``live`` slots writes per iteration.
+LIVE_CHUNK = 1 << 14
 
 
 class Exchanged(NamedTuple):

@@ -17,6 +17,7 @@ import optax
 import pytest
 
 import exdyna_jax
+from exdyna_jax import _exchange
 from tests import harness
 
 N, NUM_WORKERS, STEPS = 2048, 4, 8
@@ -59,6 +60,19 @@ def level_at(step):
 
 @pytest.mark.parametrize("name", SCHEDULED)
 def test_each_step_is_its_level(name):
+  check_each_step_is_its_level(name)
+
+
+@pytest.mark.parametrize("name", ["exdyna", "spardl"])  # SparDL keeps values of its own
+def test_each_step_is_its_level_when_updates_are_written_chunk_by_chunk(name, monkeypatch):
+  """Each level's update is padded to the largest level's slots and written
+  chunk by chunk over its own slots only; chunks of 16 slots make every
+  level's writes loop (its last chunk overlapping the one before)."""
+  monkeypatch.setattr(_exchange, "LIVE_CHUNK", 16)
+  check_each_step_is_its_level(name)
+
+
+def check_each_step_is_its_level(name):
   grads = gradients()
   updates, states, final = run(make(name, SCHEDULE), grads)
   residuals = np.asarray(states.residual)  # [n, T, N]
