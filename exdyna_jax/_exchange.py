@@ -26,6 +26,9 @@ import jax.numpy as jnp
 
 from exdyna_jax import _collectives, _spill
 
+# Slots a `SparseUpdate` with ``live`` slots writes per iteration.
+LIVE_CHUNK = 1 << 14
+
 
 class SparseUpdate(NamedTuple):
   """The aggregated update of one step, as index-value pairs.
@@ -129,10 +132,6 @@ class SparseUpdate(NamedTuple):
       return target.at[..., indices].set(updates, mode="drop")
 
     return jax.lax.fori_loop(0, -(-self.live // LIVE_CHUNK), write_chunk, target)
-
-
-# Slots a `SparseUpdate` with ``live`` slots writes per iteration.
-LIVE_CHUNK = 1 << 14
 
 
 class Exchanged(NamedTuple):
