@@ -132,20 +132,19 @@ def _patched(patch: str | None):
   its ``k``-th magnitude as the minimum of the ``k`` selected ones, which
   keeps XLA's TopK kernel. Library files are not modified.
   """
-  from exdyna_jax import _feedback, _selection
+  from exdyna_jax import _guard, _selection
 
   saved = {}
   if patch == "no_guard":
 
-    def no_skip(nonfinite, step, previous_stats, num_workers, **skipped):
-      del previous_stats, num_workers, skipped
+    def no_skip(nonfinite, step, *unused_args, **unused_kwargs):
       output, stats = step()
       return output, stats._replace(nonfinite=nonfinite)
 
     saved = {
       # An opaque zero: a constant would let XLA fold the step's select away.
-      (_feedback, "count_nonfinite"): lambda values, axis_name: jax.lax.axis_index(axis_name) * 0,
-      (_feedback, "skip_if_nonfinite"): no_skip,
+      (_guard, "count_nonfinite"): lambda values, axis_name: jax.lax.axis_index(axis_name) * 0,
+      (_guard, "skip_if_nonfinite"): no_skip,
     }
   elif patch == "kth_min":
 

@@ -22,7 +22,7 @@ once with ``PYTHONPATH`` pointing at an older checkout ("before"); runs with
 the same label in ``--out`` are replaced, the others kept, so the report can
 compare both.
 
-Run: python -m benchmarks.density_control [--steps 600] [--label after]
+Run: python -m benchmarks.density_control [--steps 600] [--label after] [--densities 0.01]
      [--workers 8] [--seed 0] [--workloads digits_mlp,...]
      [--methods exdyna,micro] [--out FILE]
 """
@@ -42,6 +42,7 @@ import numpy as np
 import optax
 
 import exdyna_jax
+from benchmarks import _common
 from exdyna_jax.demo import tasks
 
 AXIS = "data"
@@ -204,12 +205,17 @@ def main():
   parser.add_argument("--methods", default="exdyna")
   parser.add_argument("--label", default="after", help="names the library version under test")
   parser.add_argument("--seed", type=int, default=0, help="parameters, batches and streams")
+  parser.add_argument("--densities", default=None,
+                      help="comma-separated, of those each workload lists (default: all)")
   parser.add_argument("--out", default=None, help="JSON to merge the runs into")
   args = parser.parse_args()
+  chosen = None if args.densities is None else {float(d) for d in args.densities.split(",")}
   runs = []
   for workload in args.workloads.split(","):
     densities, kind = WORKLOADS[workload]
     for density in densities:
+      if chosen is not None and density not in chosen:
+        continue
       for method in args.methods.split(","):
         start = time.perf_counter()
         sparsifier = exdyna_jax.get_sparsifier(method, density=density, axis_name=AXIS)
@@ -238,8 +244,6 @@ def main():
         print(f"{args.label} {workload} {method} d={density}: {json.dumps(run['summary'])}",
               file=sys.stderr, flush=True)
   if args.out:
-    import _common
-
     path = pathlib.Path(args.out)
     kept = []
     if path.exists():

@@ -90,7 +90,7 @@ def choose_spill(
 
 # The network `spill_pays` prices a spill on when the user does not say: the
 # reference network of benchmarks/scale_model.py (5 us per message, 25 Gb/s
-# per worker), where the spill's round is worth about 16 kB of index bytes.
+# per worker), where a message costs what 16 kB on the link cost.
 NOMINAL_MESSAGE_SECONDS = 5e-6
 NOMINAL_LINK_BYTES_PER_SECOND = 25e9 / 8
 

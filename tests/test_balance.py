@@ -78,10 +78,10 @@ def test_balanced_partitioner_matches_the_numpy_model_step_by_step(num_workers, 
   """Cut and estimate of every step are the model's, fed the step's exchange.
 
   ``capacity_factor=1`` makes buffers overflow often (so the overflow spread
-  is exercised); 6 with ``spill=True`` spills the buffers' tails into the shared slots, which
-  the first steps' uneven partitions fill (so a worker's overflow is what
-  it did not send, not what did not fit its buffer). The update shows every
-  transmitted index.
+  is exercised); 6 with ``spill=True`` spills the buffers' tails into the
+  shared slots, which the first steps' uneven partitions fill (so a worker's
+  overflow is what it did not send, not what did not fit its buffer). The
+  update shows every transmitted index.
   """
   num_elements, density, steps = 20_000, 0.02, 25
   grads = positional_stream(num_workers, steps, num_elements, seed=num_workers, worker_scale=0.3)
