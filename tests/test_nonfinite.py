@@ -216,3 +216,20 @@ def test_nonfinite_elements_are_counted_once_in_leaves_of_any_size(size):
     leaf[size - 65536:65536 * (size // 65536)] = np.nan
   count = jax.vmap(lambda v: _guard.count_nonfinite(v, "data"), axis_name="data")(leaf[None])
   assert int(count[0]) == int(np.sum(~np.isfinite(leaf)))
+
+
+def test_a_tree_is_screened_under_one_conditional_and_counted_leaf_by_leaf():
+  """Bad elements in two of five leaves are all counted, and the whole tree
+  costs one conditional (a GPU reads a conditional's predicate back to the host)."""
+  rng = np.random.default_rng(0)
+  tree = {f"w{i}": rng.normal(size=(3, 100 + i)).astype(np.float32) for i in range(5)}
+  tree["w1"][0, :3] = [np.nan, np.inf, -np.inf]
+  tree["w4"][2, 7] = np.nan
+
+  def count(values):
+    return _guard.count_nonfinite(values, "data")
+
+  batched = jax.tree.map(lambda leaf: leaf[None], tree)
+  assert int(jax.vmap(count, axis_name="data")(batched)[0]) == 4
+  jaxpr = jax.make_jaxpr(count, axis_env=[("data", 1)])(tree)  # as one worker traces it
+  assert str(jaxpr).count("cond[") == 1
