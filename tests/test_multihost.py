@@ -15,6 +15,7 @@ no test can hang:
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -180,22 +181,6 @@ def test_survivor_exits_on_its_own_when_a_process_dies(dying):
     assert "stopped sending heartbeats" in err
 
 
-class Collected:
-  """A stream that keeps what the launcher writes to it."""
-
-  def __init__(self):
-    self.parts = []
-
-  def write(self, text):
-    self.parts.append(text)
-
-  def flush(self):
-    pass
-
-  def __str__(self):
-    return "".join(self.parts)
-
-
 def test_launcher_rejects_bad_arguments():
   with pytest.raises(ValueError, match="at least 1"):
     launch.launch(["true"], processes=0)
@@ -252,23 +237,23 @@ def test_workers_reuse_the_memory_a_step_frees():
     env.pop("GLIBC_TUNABLES", None)
     if tunables is not None:
       env["GLIBC_TUNABLES"] = tunables
-    output = Collected()
+    output = io.StringIO()
     code = launch.launch([sys.executable, "-c", REALLOCATE], processes=1, env=env,
                          stdout=output, stderr=output)
-    assert code == 0, str(output)
-    faults[tunables] = int(str(output).split("faults")[1].split()[0])
+    assert code == 0, output.getvalue()
+    faults[tunables] = int(output.getvalue().split("faults")[1].split()[0])
   assert faults[None] < 1_000, faults
   assert faults[""] > 10_000, faults  # glibc's defaults: every execution faults anew
 
 
 def test_launcher_timeout_kills_everything():
   command = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"]
-  output = Collected()
+  output = io.StringIO()
   start = time.monotonic()
   code = launch.launch(command, processes=2, timeout=2.0, stdout=output, stderr=output)
   assert code == launch.TIMEOUT_EXIT_CODE
   assert time.monotonic() - start < 20
-  text = str(output)
+  text = output.getvalue()
   assert "[rank 0] up" in text and "[rank 1] up" in text
   assert "[launch] timeout after 2 s; killing ranks [0, 1]" in text
 
