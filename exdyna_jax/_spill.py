@@ -82,7 +82,9 @@ def choose_spill(
   Returns:
     The layout, or None for whole buffers.
   """
-  layout = default_spill(target, capacity, num_workers) if spill is not False else None
+  if spill is False:
+    return None
+  layout = default_spill(target, capacity, num_workers)
   if spill is None and layout is not None and not spill_pays(layout, capacity, num_workers):
     return None
   return layout
@@ -116,7 +118,7 @@ def spill_pays(spill: Spill, capacity: int, num_workers: int) -> bool:
   """
   whole = index_bytes(num_workers, capacity, side_info=0)
   spilled = index_bytes(num_workers, capacity, side_info=0, spill=spill)
-  messages = min(2 * (num_workers - 1), 2 * math.ceil(math.log2(num_workers)))
+  messages = 2 * math.ceil(math.log2(num_workers))  # never more than a ring's 2 (n - 1)
   saved_seconds = (whole - spilled) / NOMINAL_LINK_BYTES_PER_SECOND
   return saved_seconds > messages * NOMINAL_MESSAGE_SECONDS
 
