@@ -127,7 +127,7 @@ def _baselines(mesh, num_workers, k):
 def _patched(patch: str | None):
   """Library functions swapped while a variant is traced (profiling only).
 
-  ``no_guard``: no non-finite check (``count_nonfinite`` returns 0,
+  ``no_guard``: no non-finite check (``screen`` finds nothing,
   ``skip_if_nonfinite`` passes the step through). ``kth_min``: Top-k reads
   its ``k``-th magnitude as the minimum of the ``k`` selected ones, which
   keeps XLA's TopK kernel. Library files are not modified.
@@ -137,13 +137,17 @@ def _patched(patch: str | None):
   saved = {}
   if patch == "no_guard":
 
-    def no_skip(nonfinite, step, *unused_args, **unused_kwargs):
+    def no_skip(screened, step, *unused_args, **unused_kwargs):
       output, stats = step()
-      return output, stats._replace(nonfinite=nonfinite)
+      return output, stats._replace(nonfinite=screened.nonfinite)
+
+    def no_screen(values, recorded_workers, num_workers, axis_name):
+      # An opaque zero: a constant would let XLA fold the step's select away.
+      zero = jax.lax.axis_index(axis_name) * 0
+      return _guard.Screen(zero, zero > 0, zero > 0)
 
     saved = {
-      # An opaque zero: a constant would let XLA fold the step's select away.
-      (_guard, "count_nonfinite"): lambda values, axis_name: jax.lax.axis_index(axis_name) * 0,
+      (_guard, "screen"): no_screen,
       (_guard, "skip_if_nonfinite"): no_skip,
     }
   elif patch == "kth_min":

@@ -71,7 +71,7 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     layout, num_workers = _feedback.check_update(updates, state, params, axis_name)
-    nonfinite = _guard.count_nonfinite(updates, axis_name)
+    screened = _guard.screen(updates, state.stats.num_workers, num_workers, axis_name)
     total = jax.lax.psum(
         jax.tree.map(lambda g: g.astype(_layout.ACCUMULATION_DTYPE), updates), axis_name
     )
@@ -91,7 +91,7 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
         target=layout.num_elements,
     )
     mean, stats = _guard.skip_if_nonfinite(
-        nonfinite, lambda: (mean, stats), state.stats, num_workers, axis_name
+        screened, lambda: (mean, stats), state.stats, num_workers, axis_name
     )
     return mean, DenseState(stats)
 

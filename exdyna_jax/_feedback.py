@@ -126,8 +126,8 @@ def error_feedback_transform(
 
   def flat_update(updates, state, layout, num_workers):
     """``update_fn`` on the flat vector: the dense float32 ``[N]`` update and the state."""
-    nonfinite = _guard.count_nonfinite(updates, axis_name)
-    accumulated = accumulate(updates, state.residual, nonfinite)  # [1, N]
+    screened = _guard.screen(updates, state.stats.num_workers, num_workers, axis_name)
+    accumulated = accumulate(updates, state.residual, screened.nonfinite)  # [1, N]
 
     def without_residual_and_stats(state):  # what the switch carries besides the stats
       return state._replace(residual=None, stats=None)
@@ -137,7 +137,7 @@ def error_feedback_transform(
       return (sparse, without_residual_and_stats(new_state)), new_state.stats
 
     (sparse, rest), stats = _guard.skip_if_nonfinite(
-        nonfinite,
+        screened,
         run_step,
         state.stats,
         num_workers,
@@ -212,7 +212,7 @@ def accumulate(updates: Any, residual: jax.Array, nonfinite: jax.Array) -> jax.A
   Args:
     updates: this worker's gradient tree ``g``.
     residual: float32 ``[N]`` the residual ``m``.
-    nonfinite: int32 `_guard.count_nonfinite` of this step's gradients.
+    nonfinite: int32 `_guard.screen`'s count of this step's non-finite gradient elements.
 
   Returns:
     float32 ``[1, N]`` accumulated gradient.

@@ -4,9 +4,10 @@ If the gradient ``g`` of *any* worker holds a NaN or an infinity, *every*
 worker skips the step: the update is zero and the residual, threshold,
 partitions and step counter keep their previous values; ``stats.nonfinite``
 counts the bad elements over all workers and ``stats.skipped_steps`` the
-skipped steps. One int32 ``psum`` decides it, so all workers take the same
-branch and the collectives stay matched (a per-worker decision, as
-``optax.apply_if_finite`` makes, would desynchronise them). A state whose
+skipped steps. One ``psum`` of two int32 flags decides it (`screen`), so all
+workers take the same branch and the collectives stay matched (a per-worker
+decision, as ``optax.apply_if_finite`` makes, would desynchronise them); the
+bad elements are counted only on a step that has some. A state whose
 recorded worker count is not the axis size (a restore cut or padded its
 worker axis to fit) stops the step with an error on the host. Both
 decisions share one ``lax.switch``.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,55 @@ import jax.numpy as jnp
 from exdyna_jax import _collectives, _stats
 
 COUNT_CHUNK = 1 << 16  # elements per iteration when non-finite elements are counted
+SKIPPED_STEP_SCOPE = "skipped_step"  # names, in the HLO, what only a skipped step runs
+
+
+class Screen(NamedTuple):
+  """What the guard decides a step on; the same on every worker.
+
+  Attributes:
+    nonfinite: int32 NaN and infinite gradient elements over all workers.
+    resized: bool, whether any worker's state records another worker count.
+  """
+
+  nonfinite: jax.Array
+  resized: jax.Array
+
+
+def screen(values: Any, recorded_workers: jax.Array, num_workers: int, axis_name: str
+           ) -> Screen:
+  """Screens every worker's ``values`` for NaN and infinity, and its state's worker count.
+
+  ``x * 0`` is 0 for a finite ``x`` and NaN for a NaN or an infinity, so the
+  sum of ``values * 0`` is NaN exactly when an element is not finite (and,
+  unlike the sum of the values, it cannot overflow): one read-only pass. One
+  ``psum`` of two int32 flags then tells every worker the same answer, and
+  only where some worker has a bad element are they counted
+  (`count_nonfinite`, in the name scope `SKIPPED_STEP_SCOPE`: a second
+  ``psum``). The predicates are the same on every worker, so under
+  ``jax.vmap`` too the conditionals stay conditionals (a per-worker predicate
+  would make one a select that runs every branch: the count on every step).
+
+  Args:
+    values: this worker's array, or pytree of arrays.
+    recorded_workers: int32 the worker count this worker's state records.
+    num_workers: ``n``, the axis size.
+    axis_name: the data-parallel axis.
+
+  Returns:
+    The `Screen`.
+  """
+  poisoned = sum((jnp.sum(leaf * 0, dtype=jnp.float32) for leaf in jax.tree.leaves(values)),
+                 jnp.float32(0))
+  flags = jnp.stack([jnp.isnan(poisoned), recorded_workers != num_workers])
+  bad_workers, resized = jax.lax.psum(flags.astype(jnp.int32), axis_name)
+
+  def count():
+    with jax.named_scope(SKIPPED_STEP_SCOPE):
+      return count_nonfinite(values, axis_name)
+
+  nonfinite = jax.lax.cond(bad_workers > 0, count, lambda: jnp.zeros((), jnp.int32))
+  return Screen(nonfinite, resized > 0)
 
 
 def count_nonfinite(values: Any, axis_name: str) -> jax.Array:
@@ -36,19 +86,8 @@ def count_nonfinite(values: Any, axis_name: str) -> jax.Array:
   Returns:
     int32 scalar, identical on every worker (one ``psum``).
   """
-
-  leaves = jax.tree.leaves(values)
   zero = _collectives.per_worker(jnp.zeros((), jnp.int32), axis_name)
-  # A NaN or infinity makes the sum non-finite: one read-only pass screens
-  # every leaf, and the elements are counted only when the screen trips (or
-  # when finite values overflowed the sum: then the count is 0). One
-  # conditional for the whole tree: a GPU reads its predicate back once.
-  screen = sum((jnp.sum(leaf, dtype=jnp.float32) for leaf in leaves), jnp.float32(0))
-  local = jax.lax.cond(
-      jnp.isfinite(screen),
-      lambda: zero,
-      lambda: sum((_count_in_chunks(leaf, zero) for leaf in leaves), zero),
-  )
+  local = sum((_count_in_chunks(leaf, zero) for leaf in jax.tree.leaves(values)), zero)
   return jax.lax.psum(local, axis_name)
 
 
@@ -74,7 +113,7 @@ def _count_in_chunks(leaf: jax.Array, zero: jax.Array) -> jax.Array:
 
 
 def skip_if_nonfinite(
-    nonfinite: jax.Array,
+    screened: Screen,
     step: Callable[[], tuple[Any, _stats.SparsifierStats]],
     previous_stats: _stats.SparsifierStats,
     num_workers: int,
@@ -85,33 +124,32 @@ def skip_if_nonfinite(
   """The non-finite policy, shared by every method: skip the step on all workers.
 
   ``step`` runs inside a ``lax.switch``, so a finite step costs nothing extra
-  and a skipped one does no work. ``nonfinite`` is the same on every worker,
+  and a skipped one does no work. The `Screen` is the same on every worker,
   so all of them take the same branch and the collectives inside ``step``
   stay matched. The same switch stops a state whose recorded worker count
   is not ``n`` (`_stats.raise_if_resized`, on the host): its arrays were cut
   or padded to fit, and stepping it would silently lose residuals.
 
   Args:
-    nonfinite: int32 `count_nonfinite` of this step's gradients.
+    screened: the `screen` of this step's gradients and of the state.
     step: ``() -> (output, stats)``, the step proper.
     previous_stats: the stats before the step.
-    num_workers: ``n``, to price the count's ``psum`` in ``stats.bytes_sent``
-      and to check ``previous_stats.num_workers`` against.
+    num_workers: ``n``, to price the screen's ``psum`` in ``stats.bytes_sent``
+      and to name in the message.
     axis_name: the data-parallel axis, for the message.
     skipped: maps the shapes of ``step``'s output (``jax.ShapeDtypeStruct``
       leaves) to the output of a skipped step; by default zeros.
 
   Returns:
-    ``step()`` when ``nonfinite == 0``; otherwise the ``skipped`` output and
-    ``previous_stats``. Either way ``stats.step`` counts the steps taken
-    (the only place it is advanced), ``stats.nonfinite`` is set to
-    ``nonfinite``, ``stats.skipped_steps`` counts the skipped steps, and
-    ``stats.bytes_sent`` includes the count's ``psum`` (a skipped step sends
-    nothing else), and the running totals add this step's figures (a skipped
-    step's bytes only).
+    ``step()`` when ``screened.nonfinite == 0``; otherwise the ``skipped``
+    output and ``previous_stats``. Either way ``stats.step`` counts the steps
+    taken (the only place it is advanced), ``stats.nonfinite`` is set to
+    ``screened.nonfinite``, ``stats.skipped_steps`` counts the skipped steps,
+    ``stats.bytes_sent`` includes the screen's ``psum`` (and a skipped step's
+    count, all it sends besides), and the running totals add this step's
+    figures (a skipped step's bytes only).
   """
-  skip = nonfinite > 0
-  resized = previous_stats.num_workers != num_workers
+  skip = screened.nonfinite > 0
   if skipped is None:
     skipped = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype))
 
@@ -129,14 +167,15 @@ def skip_if_nonfinite(
     return skip_step()
 
   # One conditional for both checks (a GPU reads its predicate back once).
-  branch = jnp.where(resized, 2, skip.astype(jnp.int32))
+  branch = jnp.where(screened.resized, 2, skip.astype(jnp.int32))
   output, stats = jax.lax.switch(branch, (step, skip_step, stop_resized))
-  count_bytes = _collectives.ring_all_reduce_bytes(num_workers, _collectives.INDEX_BYTES)
-  bytes_sent = stats.bytes_sent + count_bytes
+  flag_bytes, count_bytes = (_collectives.ring_all_reduce_bytes(num_workers, size)
+                             for size in (2 * _collectives.INDEX_BYTES, _collectives.INDEX_BYTES))
+  bytes_sent = stats.bytes_sent + flag_bytes + skip * count_bytes
   done = branch == 0
   stats = stats._replace(
       step=previous_stats.step + done.astype(jnp.int32),  # the one place steps are counted
-      nonfinite=nonfinite,
+      nonfinite=screened.nonfinite,
       skipped_steps=previous_stats.skipped_steps + skip.astype(jnp.int32),
       bytes_sent=bytes_sent,
       num_workers=previous_stats.num_workers,

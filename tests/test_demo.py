@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from exdyna_jax import _cli
+from exdyna_jax import _cli, _guard
 from exdyna_jax.demo import report, traffic
+from exdyna_jax.demo.hlo import SKIPPED_STEP_SCOPE
 
 STEPS = 12
 PLOTS = ("loss.png", "density_threshold.png", "partitions.png", "bytes.png")
@@ -113,6 +114,7 @@ ENTRY %main (x: f32[128]) -> f32[128] {
   %c = s32[4,20]{1,0} collective-permute(%w), channel_id=3, source_target_pairs={{0,4}}
   %d = f32[16]{0} reduce-scatter(%v), replica_groups={{0,1},{2,3}}, dimensions={0}
   %k = s32[9]{0} conditional(%i, %j, %j), branch_computations={%small, %large}
+  %m = s32[] all-reduce(%n), replica_groups=[1,8]<=[8], metadata={op_name="a/skipped_step/b"}
   ROOT %e = f32[128]{0} add(%a, %a)
 }
 """
@@ -120,7 +122,9 @@ ENTRY %main (x: f32[128]) -> f32[128] {
   assert [c.kind for c in found] == [
       "all-reduce", "all-gather", "collective-permute", "reduce-scatter", "all-reduce"]
   # A permute with one pair out of 8 devices: 320 B from one worker, 40 B on average.
-  # A conditional counts once, for its most expensive branch.
+  # A conditional counts once, for its most expensive branch; the guard's count
+  # of a skipped step's bad elements (its name scope) is not a step's traffic.
+  assert SKIPPED_STEP_SCOPE == _guard.SKIPPED_STEP_SCOPE
   assert [c.bytes_sent for c in found] == [
       2 * 7 * 516 // 8, 7 * 544 // 8, 320 // 8, 64, 2 * 7 * 72 // 8]
   assert traffic.bytes_per_worker(hlo, 8) == sum(c.bytes_sent for c in found)

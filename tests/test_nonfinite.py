@@ -108,10 +108,12 @@ def test_bad_step_is_skipped_by_every_worker_and_changes_no_state(name):
   np.testing.assert_array_equal(stats.nonfinite, [[0, 1, 0, 2, 0, 0]] * NUM_WORKERS)
   np.testing.assert_array_equal(stats.skipped_steps, [[0, 1, 1, 2, 2, 2]] * NUM_WORKERS)
   np.testing.assert_array_equal(stats.step, [[1, 1, 2, 2, 3, 4]] * NUM_WORKERS)
-  count_bytes = 2 * (NUM_WORKERS - 1) * 4 // NUM_WORKERS  # the int32 count's ring all-reduce
+  # Ring all-reduces: the screen's two int32 flags, and the int32 count a bad step takes.
+  flag_bytes, count_bytes = (2 * (NUM_WORKERS - 1) * size // NUM_WORKERS for size in (8, 4))
   for t in range(6):
     skipped = t in BAD_STEPS
-    assert (np.asarray(stats.bytes_sent)[:, t] == count_bytes).all() == skipped, t
+    sent = np.asarray(stats.bytes_sent)[:, t]
+    assert (sent == flag_bytes + count_bytes).all() == skipped, t
 
 
 @pytest.mark.parametrize("name", exdyna_jax.available_sparsifiers())
@@ -214,7 +216,7 @@ def test_nonfinite_elements_are_counted_once_in_leaves_of_any_size(size):
   leaf[bad] = rng.choice([np.nan, np.inf, -np.inf], size=len(bad))
   if size > 65536:  # the elements the shifted last chunk shares with the one before
     leaf[size - 65536:65536 * (size // 65536)] = np.nan
-  count = jax.vmap(lambda v: _guard.count_nonfinite(v, "data"), axis_name="data")(leaf[None])
+  count = jax.vmap(count_nonfinite, axis_name="data")(leaf[None])
   assert int(count[0]) == int(np.sum(~np.isfinite(leaf)))
 
 
@@ -225,11 +227,37 @@ def test_a_tree_is_screened_under_one_conditional_and_counted_leaf_by_leaf():
   tree = {f"w{i}": rng.normal(size=(3, 100 + i)).astype(np.float32) for i in range(5)}
   tree["w1"][0, :3] = [np.nan, np.inf, -np.inf]
   tree["w4"][2, 7] = np.nan
-
-  def count(values):
-    return _guard.count_nonfinite(values, "data")
-
   batched = jax.tree.map(lambda leaf: leaf[None], tree)
-  assert int(jax.vmap(count, axis_name="data")(batched)[0]) == 4
-  jaxpr = jax.make_jaxpr(count, axis_env=[("data", 1)])(tree)  # as one worker traces it
+  assert int(jax.vmap(screen, axis_name="data")(batched).nonfinite[0]) == 4
+  jaxpr = jax.make_jaxpr(screen, axis_env=[("data", 1)])(tree)  # as one worker traces it
   assert str(jaxpr).count("cond[") == 1
+
+
+def test_finite_gradients_too_large_to_sum_are_not_screened_out():
+  """The screen sums ``g * 0``, which cannot overflow as the sum of ``g`` would."""
+  huge = {"w": np.full((1, 1000), 3e38, np.float32)}
+  assert not bool(jax.vmap(screen, axis_name="data")(huge).nonfinite[0])
+
+
+def count_nonfinite(values):
+  """`_guard.count_nonfinite` on one worker of an axis of one."""
+  return _guard.count_nonfinite(values, "data")
+
+
+def screen(values):
+  """`_guard.screen` on one worker of an axis of one."""
+  return _guard.screen(values, jnp.int32(1), 1, "data")
+
+
+@pytest.mark.parametrize("name", ["dense", "exdyna"])
+def test_simulated_workers_skip_only_when_a_gradient_is_bad(name):
+  """Under ``jax.vmap`` the screen's count and the guard's switch stay
+  conditionals: their predicates are the same on every worker. (A per-worker
+  predicate turns a conditional into a select that runs every branch: a count
+  of every element and the resized-state callback on every step.)"""
+  tx = exdyna_jax.get_sparsifier(name, axis_name="data", **OPTIONS[name])
+  state = jax.vmap(lambda _: tx.init(params()), axis_name="data")(jnp.arange(NUM_WORKERS))
+  grads = jax.tree.map(lambda g: jnp.asarray(g[:, 0]), clean_gradients(1))
+  jaxpr = str(jax.make_jaxpr(jax.vmap(
+      lambda g, s: tx.update(g, s, params()), axis_name="data"))(grads, state))
+  assert jaxpr.count("cond[") == 2

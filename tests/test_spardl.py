@@ -142,8 +142,8 @@ def test_rounds_and_statistics(n, schedule):
   np.testing.assert_array_equal(stats.workloads[0, 0], np.minimum(per_block, sizes))
   assert (stats.transmitted == np.minimum(per_block, sizes).sum()).all()
   assert (stats.selected == stats.transmitted).all() and (stats.overflow == 0).all()
-  count_bytes = 2 * (n - 1) * 4 // n  # the non-finite count's int32 all-reduce
-  assert (stats.bytes_sent == 2 * (n - 1) * per_block * 8 + count_bytes).all()
+  flag_bytes = 2 * (n - 1) * 8 // n  # the non-finite screen's two int32 flags, all-reduced
+  assert (stats.bytes_sent == 2 * (n - 1) * per_block * 8 + flag_bytes).all()
   for t in range(STEPS):
     nonzero = np.abs(updates[0, t][updates[0, t] != 0])
     assert stats.threshold[0, t] == pytest.approx(nonzero.min(), rel=1e-6)

@@ -151,7 +151,7 @@ def profile_section(rep: Report, profile: dict | None, cost: dict | None) -> Non
     "adaptive controller's probe count, a loop over chunks of N/(8n) that reads the "
     "worker's partition (about 1/n of a vector), is below the size cut and not listed. "
     "`patch=no_guard`: the non-finite guard's two functions "
-    "(`_guard.count_nonfinite`, `skip_if_nonfinite`) swapped out while tracing, "
+    "(`_guard.screen`, `skip_if_nonfinite`) swapped out while tracing, "
     "library files untouched; `patch=kth_min`: `_selection.select_top_k` reads the k-th "
     "magnitude as a minimum.\n\n" + table(["program", "N-vectors moved per step"], rows)
   )

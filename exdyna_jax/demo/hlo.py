@@ -5,7 +5,8 @@
 all-gather, all-reduce, reduce-scatter, all-to-all and collective-permute
 with its shapes. Collectives inside a ``conditional`` count once, for the
 most expensive branch (only one branch runs per step); a collective inside a
-``while`` body is counted once and flagged.
+``while`` body is counted once and flagged; the count a skipped step takes
+(`exdyna_jax._guard`, name scope ``skipped_step``) is not a step's.
 
 `ring_cost` converts one op into per-worker traffic and message counts with
 the ring algorithms (``g`` = workers in the op's group, ``M`` = bytes of the
@@ -34,6 +35,9 @@ import math
 import re
 from typing import Any
 
+# The name scope of what the library's guard runs only on a skipped step (its
+# count of the bad elements): not part of a normal step's traffic.
+SKIPPED_STEP_SCOPE = "skipped_step"
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {
   "pred": 1,
@@ -161,7 +165,8 @@ def collectives(text: str, num_devices: int) -> list[dict[str, Any]]:
     for line in computations.get(name, []):
       op = _op(line, num_devices)
       if op is not None:
-        ops.append({**op, "context": context})
+        if f"/{SKIPPED_STEP_SCOPE}/" not in line:
+          ops.append({**op, "context": context})
         continue
       branches = BRANCHES.search(line)
       called = [c for c in _CALLED.findall(line) if c in computations and c not in seen]
