@@ -144,9 +144,8 @@ def initial_estimate(geometry: _partition.BlockGeometry) -> _partition.Partition
 def _block_owners(boundaries: jax.Array, num_blocks: int) -> jax.Array:
   """int32 ``[B]`` partition of every block, for block boundaries ``[n + 1]``."""
   inner = boundaries[1:-1]
-  return jnp.searchsorted(inner, jnp.arange(num_blocks, dtype=jnp.int32), side="right").astype(
-      jnp.int32
-  )
+  blocks = jnp.arange(num_blocks, dtype=jnp.int32)
+  return jnp.searchsorted(inner, blocks, side="right", method="scan_unrolled").astype(jnp.int32)
 
 
 def _boundaries(sizes: jax.Array) -> jax.Array:
@@ -188,7 +187,7 @@ def cut(
       [jnp.zeros((1,), jnp.float32), jnp.cumsum(estimate.block_workloads)]
   )
   cumulative = cumulative / cumulative[-1]
-  above = jnp.clip(jnp.searchsorted(cumulative, quantiles), 1, num_blocks)
+  above = jnp.clip(jnp.searchsorted(cumulative, quantiles, method="scan_unrolled"), 1, num_blocks)
   nearer_below = quantiles - cumulative[above - 1] < cumulative[above] - quantiles
   wanted = jnp.where(nearer_below, above - 1, above).astype(jnp.int32)
 

@@ -105,7 +105,8 @@ def count_at(thresholds: jax.Array, counts: jax.Array, threshold: jax.Array) -> 
   log_thresholds, log_counts = _log_points(thresholds, counts)
   log_threshold = jnp.log(threshold)
   segment = jnp.clip(
-      jnp.searchsorted(log_thresholds, log_threshold, side="right") - 1, 0, thresholds.shape[0] - 2
+      jnp.searchsorted(log_thresholds, log_threshold, side="right", method="scan_unrolled") - 1,
+      0, thresholds.shape[0] - 2,
   )
   run = log_thresholds[segment + 1] - log_thresholds[segment]
   fraction = (log_threshold - log_thresholds[segment]) / jnp.where(run > 0, run, 1.0)

@@ -180,7 +180,8 @@ def as_leaf_dtypes(indices: jax.Array, values: jax.Array, layout: FlatLayout) ->
   leaf_ends = np.cumsum(layout.sizes)
   # Per leaf (plus one entry for indices past N): 0 keeps float32, i + 1 rounds to narrow[i].
   codes = [narrow.index(str(d)) + 1 if str(d) in narrow else 0 for d in layout.dtypes]
-  code = jnp.asarray([*codes, 0], jnp.int32)[jnp.searchsorted(leaf_ends, indices, side="right")]
+  leaf = jnp.searchsorted(leaf_ends, indices, side="right", method="scan_unrolled")
+  code = jnp.asarray([*codes, 0], jnp.int32)[leaf]
   rounded = values
   for i, dtype in enumerate(narrow, start=1):
     rounded = jnp.where(code == i, values.astype(dtype).astype(values.dtype), rounded)

@@ -235,7 +235,9 @@ def select_in_range(
   per_row = jax.lax.population_count(masks).astype(jnp.int32)
   row_ends = jnp.cumsum(per_row)
   slots = jnp.arange(capacity, dtype=jnp.int32)
-  row = jnp.minimum(jnp.searchsorted(row_ends, slots, side="right"), capacity - 1)
+  # Unrolled, as every search of the step: a GPU drives a loop's iterations from the host.
+  row = jnp.minimum(
+      jnp.searchsorted(row_ends, slots, side="right", method="scan_unrolled"), capacity - 1)
   rank = slots - (row_ends[row] - per_row[row])
   bit = nth_set_bit(masks[row], rank)
   indices = jnp.where(slots < row_ends[-1], row_starts[row] + bit, num_elements)

@@ -243,6 +243,37 @@ def test_probe_counts_in_many_chunks_change_nothing(adaptive_run, runner, monkey
   chex.assert_trees_all_equal(chunked_updates, jax.tree.map(lambda x: x[:, :steps], updates))
 
 
+@pytest.mark.parametrize("name", ["exdyna", "micro"])
+def test_a_step_loops_only_over_the_partition(name):
+  """A GPU drives every loop iteration (and reads every conditional's predicate)
+  from the host. A step keeps two loops, the probe count and the selection over
+  the worker's own partition, and two conditionals, the guard's count of bad
+  elements (its loop runs only on a skipped step) and its switch; searches over
+  sorted arrays are unrolled."""
+  tx = exdyna_jax.get_sparsifier(name, density=0.001, axis_name="data")
+  params = jnp.zeros(200_000)
+  state = jax.vmap(lambda _: tx.init(params), axis_name="data")(jnp.arange(8))
+  step = jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="data")
+  found = [(eqn.primitive.name, eqn.params, "skipped_step" in str(eqn.source_info.name_stack))
+           for eqn in all_equations(jax.make_jaxpr(step)(jnp.ones((8, 200_000)), state).jaxpr)]
+  assert [name for name, _, _ in found if name in ("while", "cond")].count("while") == 2
+  assert [name for name, _, _ in found].count("cond") == 2
+  for name, params, skipped in found:
+    if name == "scan" and not skipped:
+      assert params["unroll"] is True or params["unroll"] >= params["length"], params
+
+
+def all_equations(jaxpr):
+  """The equations of ``jaxpr`` and of every jaxpr inside them, depth first."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from all_equations(inner)
+
+
 def test_overflow_stays_in_the_residual():
   params = mixed_params()
   grads = uneven_grads(7, params, N_WORKERS, 3)
