@@ -19,26 +19,51 @@ floor               the elementwise floor: read ``g`` and ``m``, write ``m``
                     as 16 N bytes at the copy bandwidth measured on the device
 ==================  ==========================================================
 
+``--train`` also times the whole train step a user runs: an MLP of
+``TRAIN_LAYERS`` (25.2M parameters; ``--quick``: a small one), 8 workers
+under ``vmap`` with ``TRAIN_BATCH`` examples each, ``optax.chain(method,
+optax.sgd)``, jitted with params and state donated: ``compute`` (the
+gradients and SGD, no exchange), ``dense``, ``exdyna`` and ``topk``.
+
+``--chunk-scales 1,2,4`` also times ``exdyna`` at the target with the
+partition read in chunks that many times `_selection.chunk_length` (fewer
+loop iterations, more elements read past the partition's ends).
+
+``--profile DIR`` traces a few steps of each method at the target size with
+``jax.profiler`` (the trace lands in ``DIR``) and records, per device
+thread of the trace, the busiest operations per step (``profile`` in the
+JSON), and the number of kernels a step launches.
+
 Writes ``results/gpu.json`` (``device``, ``exdyna_over_floor`` and
 ``topk_over_exdyna`` at N = 25M, d = 0.001, and the full table) unless
 ``--out`` says otherwise. ``--quick`` runs small sizes (for CPU and tests).
 
-Run: python -m benchmarks.gpu [--quick] [--out FILE] [--repeats 20] [--methods a,b,...]
+Run: python -m benchmarks.gpu [--quick] [--train] [--profile DIR] [--out FILE]
+     [--repeats 20] [--methods a,b,...]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
+import gzip
 import json
 import pathlib
+import re
 import statistics
 import sys
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
+import optax
 
 import exdyna_jax
+from benchmarks import _common
+from exdyna_jax import _selection
+from exdyna_jax.demo import tasks
 
 AXIS = "data"
 WORKERS = 8
@@ -46,6 +71,11 @@ TARGET = {"elements": 25_000_000, "density": 0.001}
 FULL_GRID = [(n, d) for n in (11_200_000, 25_000_000, 100_000_000) for d in (0.01, 0.001)]
 QUICK_GRID = [(200_000, 0.001)]
 METHODS = ("exdyna", "exdyna_reference", "micro", "topk_ef", "floor")
+TRAIN_LAYERS = (2048, 4096, 4096, 10)  # 25.2M parameters
+QUICK_TRAIN_LAYERS = (64, 256, 256, 10)
+TRAIN_BATCH = 128  # examples per worker
+TRAIN_METHODS = ("compute", "dense", "exdyna", "topk")
+PROFILE_STEPS = 5
 
 
 def sparsifier(name, density):
@@ -82,22 +112,34 @@ def program(name, num_elements, density):
   return lambda: tx.init(params), step
 
 
-def time_method(name, num_elements, density, grads, repeats):
-  init, step = program(name, num_elements, density)
-  vmapped = jax.vmap(step, axis_name=AXIS, axis_size=WORKERS)
-  run = jax.jit(vmapped, donate_argnums=0)
-  state = jax.jit(jax.vmap(lambda _: init(), axis_name=AXIS, axis_size=WORKERS))(
-      jnp.arange(WORKERS)
-  )
-  for _ in range(3):  # compile and warm up
-    state, update = run(state, grads)
-  jax.block_until_ready((state, update))
+def timed_steps(step, carry, repeats):
+  """Runs ``carry = step(carry)`` 3 times to compile and warm up, then ``repeats``
+  times blocked on each; returns the last carry and the seconds of each."""
+  for _ in range(3):
+    carry = step(carry)
+  jax.block_until_ready(carry)
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
-    state, update = run(state, grads)
-    jax.block_until_ready((state, update))
-    times.append((time.perf_counter() - start) / WORKERS)
+    carry = jax.block_until_ready(step(carry))
+    times.append(time.perf_counter() - start)
+  return carry, times
+
+
+def vmapped_update(name, num_elements, density):
+  """``(state, run)``: the 8 workers' state and the jitted step ``run(state, grads)``."""
+  init, step = program(name, num_elements, density)
+  run = jax.jit(jax.vmap(step, axis_name=AXIS, axis_size=WORKERS), donate_argnums=0)
+  state = jax.jit(jax.vmap(lambda _: init(), axis_name=AXIS, axis_size=WORKERS))(
+      jnp.arange(WORKERS)
+  )
+  return state, run
+
+
+def time_method(name, num_elements, density, grads, repeats):
+  state, run = vmapped_update(name, num_elements, density)
+  (state, _), times = timed_steps(lambda carry: run(carry[0], grads), (state, None), repeats)
+  times = [t / WORKERS for t in times]
   result = {"seconds": statistics.median(times), "min_seconds": min(times)}
   if name not in ("floor", "topk_ef"):
     stats = exdyna_jax.get_stats(state)
@@ -108,18 +150,168 @@ def time_method(name, num_elements, density, grads, repeats):
 
 def copy_bandwidth(num_elements, repeats):
   """Bytes per second of ``y = x + 1`` over ``8 N`` float32 (read and write)."""
-  x = jnp.ones((WORKERS * num_elements,), jnp.float32)
   bump = jax.jit(lambda x: x + 1.0, donate_argnums=0)
-  for _ in range(3):
-    x = bump(x)
-  x.block_until_ready()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    x = bump(x)
-    x.block_until_ready()
-    times.append(time.perf_counter() - start)
+  _, times = timed_steps(bump, jnp.ones((WORKERS * num_elements,), jnp.float32), repeats)
   return 8 * WORKERS * num_elements / statistics.median(times)
+
+
+def train_step(name, layers, density):
+  """``(init, step)``: the 8 workers' jitted ``init(params)`` and train step.
+
+  ``step((params, opt_state), batch)`` donates and returns both. Every
+  worker computes its gradient on its share of the batch; ``compute`` has
+  no exchange (the workers' SGD updates are averaged on the one device,
+  which is not a collective), the others chain the method with SGD.
+  """
+  if name == "compute":
+    tx = optax.sgd(0.01)
+  elif name == "dense":
+    tx = optax.chain(exdyna_jax.dense(axis_name=AXIS), optax.sgd(0.01))
+  else:
+    tx = optax.chain(exdyna_jax.get_sparsifier(name, density=density, axis_name=AXIS),
+                     optax.sgd(0.01))
+
+  def per_worker(params, opt_state, batch):
+    grads = jax.grad(tasks.mlp_loss)(params, batch)
+    return tx.update(grads, opt_state, params)
+
+  workers = jax.vmap(per_worker, in_axes=(None, 0, 0), axis_name=AXIS, axis_size=WORKERS)
+
+  def step(carry, batch):
+    params, opt_state = carry
+    updates, opt_state = workers(params, opt_state, batch)
+    # Identical on every worker after the exchange; compute's are averaged here.
+    updates = jax.tree.map(lambda u: jnp.mean(u, axis=0), updates)
+    return optax.apply_updates(params, updates), opt_state
+
+  init = jax.vmap(lambda params, _: tx.init(params), in_axes=(None, 0), axis_name=AXIS)
+  return jax.jit(lambda params: init(params, jnp.arange(WORKERS))), jax.jit(
+      step, donate_argnums=0)
+
+
+def train_rows(layers, density, repeats):
+  """Median seconds of the whole 8-worker train step, per `TRAIN_METHODS`."""
+  params = tasks.init_mlp(jax.random.key(0), layers)
+  num_params = sum(x.size for x in jax.tree.leaves(params))
+  key_x, key_y = jax.random.split(jax.random.key(1))
+  batch = (jax.random.normal(key_x, (WORKERS, TRAIN_BATCH, layers[0])),
+           jax.random.randint(key_y, (WORKERS, TRAIN_BATCH), 0, layers[-1]))
+  rows = {"parameters": num_params, "layers": list(layers), "workers": WORKERS,
+          "batch_per_worker": TRAIN_BATCH, "density": density}
+  for name in TRAIN_METHODS:
+    init, step = train_step(name, layers, density)
+    carry = (jax.tree.map(jnp.copy, params), init(params))
+    _, times = timed_steps(functools.partial(step, batch=batch), carry, repeats)
+    rows[name] = {"seconds": statistics.median(times), "min_seconds": min(times)}
+    print(f"train {num_params:,} params {name}: {1e3 * rows[name]['seconds']:.3f} ms",
+          file=sys.stderr, flush=True)
+  for name in TRAIN_METHODS[1:]:
+    rows[f"{name}_over_compute"] = rows[name]["seconds"] / rows["compute"]["seconds"]
+  return rows
+
+
+def busiest_operations(trace_dir, steps, top=12):
+  """Per device thread of the ``jax.profiler`` trace in ``trace_dir``: events a
+  step, busy microseconds a step, and the ``top`` operations by time."""
+  with gzip.open(next(pathlib.Path(trace_dir).rglob("*.trace.json.gz"))) as file:
+    trace = json.load(file)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+           if e.get("ph") == "M" and e["name"] in ("process_name", "thread_name")}
+  threads = collections.defaultdict(lambda: collections.defaultdict(list))
+  for e in events:
+    process = names.get((e.get("pid"), None), "")
+    if e.get("ph") == "X" and "/device:" in process and "CPU" not in process:
+      thread = f"{process} {names.get((e['pid'], e.get('tid')), e.get('tid'))}"
+      threads[thread][e["name"]].append(e["dur"])
+  summary = {}
+  for thread, operations in threads.items():
+    ranked = sorted(operations.items(), key=lambda item: -sum(item[1]))
+    summary[thread] = {
+        "events_per_step": sum(len(d) for d in operations.values()) / steps,
+        "busy_us_per_step": sum(sum(d) for d in operations.values()) / steps,
+        "top": [{"name": name[:160], "count_per_step": len(d) / steps,
+                 "us_per_step": sum(d) / steps} for name, d in ranked[:top]],
+    }
+  return summary
+
+
+def profile_methods(trace_root, num_elements, density, grads, methods):
+  """Traces `PROFILE_STEPS` steps of each method; returns `busiest_operations`
+  and the optimised HLO of each step under ``trace_root/<method>``."""
+  profiles = {}
+  for name in methods:
+    state, run = vmapped_update(name, num_elements, density)
+    state = jax.block_until_ready(run(state, grads))[0]  # compiled
+    directory = pathlib.Path(trace_root) / name
+    with jax.profiler.trace(str(directory), create_perfetto_trace=True):
+      for _ in range(PROFILE_STEPS):
+        state, _ = jax.block_until_ready(run(state, grads))
+    hlo = run.lower(state, grads).compile().as_text()
+    (directory / "step.hlo.txt").write_text(hlo)
+    profiles[name] = with_sources(busiest_operations(directory, PROFILE_STEPS), hlo)
+  return profiles
+
+
+def with_sources(summary, hlo):
+  """Adds to each operation of `busiest_operations` where it came from: the
+  innermost Python frame XLA recorded for the instruction of that name
+  (``file:function``) and the last part of its ``op_name``."""
+  tables = dict(re.findall(r"^(FileNames|FunctionNames|FileLocations|StackFrames)\n((?:\d+ .*\n)+)",
+                           hlo, re.MULTILINE))
+  rows = {name: dict(re.findall(r"^(\d+) (.*)$", text, re.MULTILINE))
+          for name, text in tables.items()}
+
+  def frame(frame_id):
+    location = rows["StackFrames"][frame_id]
+    fields = dict(re.findall(r"(\w+)=(\d+)", rows["FileLocations"][
+        re.search(r"file_location_id=(\d+)", location)[1]]))
+    file = rows["FileNames"][fields["file_name_id"]].strip('"').rsplit("/", 1)[-1]
+    return f"{file}:{rows['FunctionNames'][fields['function_name_id']].strip(chr(34))}"
+
+  sources = {}
+  for name, line in re.findall(r"^\s*(?:ROOT )?%([\w.\-]+) = ([^\n]*)$", hlo, re.MULTILINE):
+    op_name = re.search(r'op_name="([^"]*)"', line)
+    frame_id = re.search(r"stack_frame_id=(\d+)", line)
+    where = frame(frame_id[1]) if frame_id and "StackFrames" in rows else ""
+    sources[name.replace(".", "_")] = " ".join(
+        part for part in (where, op_name[1].rsplit("/", 1)[-1] if op_name else "") if part)
+  for thread in summary.values():
+    for operation in thread["top"]:
+      operation["source"] = sources.get(operation["name"], "")
+  return summary
+
+
+def chunk_rows(num_elements, density, grads, scales, repeats):
+  """``exdyna`` at chunks of ``scale`` times `_selection.chunk_length`, per scale."""
+  rows = {}
+  default = _selection.chunk_length
+  for scale in scales:
+    def scaled(*args, scale=scale):
+      return min(args[0], scale * default(*args))
+    with mock.patch.object(_selection, "chunk_length", scaled):
+      rows[scale] = time_method("exdyna", num_elements, density, grads, repeats)
+    rows[scale]["chunk"] = scaled(num_elements, WORKERS)
+    print(f"chunk x{scale}: {1e3 * rows[scale]['seconds']:.3f} ms", file=sys.stderr, flush=True)
+  return rows
+
+
+def grid_row(num_elements, density, methods, repeats):
+  """One row of the table: every method on the same gradients, and the ratios."""
+  grads = jax.random.normal(jax.random.key(0), (WORKERS, num_elements), jnp.float32)
+  bandwidth = copy_bandwidth(num_elements, repeats)
+  row = {"elements": num_elements, "density": density, "workers": WORKERS,
+         "copy_bandwidth_bytes_per_second": bandwidth,
+         "floor_bandwidth_seconds": 16 * num_elements / bandwidth}
+  for name in methods:
+    row[name] = time_method(name, num_elements, density, grads, repeats)
+    print(f"N={num_elements:,} d={density} {name}: {1e3 * row[name]['seconds']:.3f} ms",
+          file=sys.stderr, flush=True)
+  exdyna = row["exdyna"]["seconds"]
+  row["exdyna_over_floor"] = exdyna / row["floor"]["seconds"]
+  row["exdyna_over_floor_bandwidth"] = exdyna / row["floor_bandwidth_seconds"]
+  row["topk_over_exdyna"] = row["topk_ef"]["seconds"] / exdyna
+  return row, grads
 
 
 def main(argv=None):
@@ -129,6 +321,11 @@ def main(argv=None):
   parser.add_argument("--out", default=None, help="JSON (default: results/gpu.json)")
   parser.add_argument("--methods", default=",".join(METHODS),
                       help="comma-separated subset (exdyna, topk_ef and floor give the ratios)")
+  parser.add_argument("--train", action="store_true", help="also time the whole train step")
+  parser.add_argument("--chunk-scales", default=None, metavar="S,S,...",
+                      help="also time exdyna at these multiples of the chunk length")
+  parser.add_argument("--profile", default=None, metavar="DIR",
+                      help="also trace each method at the target size into DIR")
   args = parser.parse_args(argv)
   methods = args.methods.split(",")
   unknown = set(methods) - set(METHODS) or {"exdyna", "topk_ef", "floor"} - set(methods)
@@ -136,40 +333,41 @@ def main(argv=None):
     parser.error(f"--methods: {sorted(unknown)} unknown or missing; choose from {METHODS}, "
                  "with exdyna, topk_ef and floor")
   grid = QUICK_GRID if args.quick else FULL_GRID
+  target = (TARGET["elements"], TARGET["density"])
+  grid = sorted(grid, key=lambda cell: cell != target)  # the target first
   device = jax.devices()[0]
-  rows = []
-  for num_elements, density in grid:
-    grads = jax.random.normal(jax.random.key(0), (WORKERS, num_elements), jnp.float32)
-    bandwidth = copy_bandwidth(num_elements, args.repeats)
-    row = {"elements": num_elements, "density": density, "workers": WORKERS,
-           "copy_bandwidth_bytes_per_second": bandwidth,
-           "floor_bandwidth_seconds": 16 * num_elements / bandwidth}
-    for name in methods:
-      row[name] = time_method(name, num_elements, density, grads, args.repeats)
-      print(f"N={num_elements:,} d={density} {name}: {1e3 * row[name]['seconds']:.3f} ms",
-            file=sys.stderr, flush=True)
-    exdyna = row["exdyna"]["seconds"]
-    row["exdyna_over_floor"] = exdyna / row["floor"]["seconds"]
-    row["exdyna_over_floor_bandwidth"] = exdyna / row["floor_bandwidth_seconds"]
-    row["topk_over_exdyna"] = row["topk_ef"]["seconds"] / exdyna
-    rows.append(row)
-  target = next((r for r in rows if all(r[k] == v for k, v in TARGET.items())), rows[-1])
+  out = pathlib.Path(args.out) if args.out else (
+      pathlib.Path(__file__).resolve().parent / "results" / "gpu.json")
+  out.parent.mkdir(parents=True, exist_ok=True)
   result = {
       "benchmark": "gpu",
       "device": device.device_kind,
       "platform": device.platform,
+      "jax": jax.__version__,
+      "machine": _common.machine_info(),
       "quick": args.quick,
       "timing": "8 workers simulated with jax.vmap on one device; one worker's share "
                 "(the whole step / 8); jitted, state donated",
-      "at": {"elements": target["elements"], "density": target["density"]},
-      "exdyna_over_floor": target["exdyna_over_floor"],
-      "topk_over_exdyna": target["topk_over_exdyna"],
-      "rows": rows,
+      "rows": [],
   }
-  out = pathlib.Path(args.out) if args.out else (
-      pathlib.Path(__file__).resolve().parent / "results" / "gpu.json")
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1) + "\n")
+  for number, (num_elements, density) in enumerate(grid):
+    row, grads = grid_row(num_elements, density, methods, args.repeats)
+    result["rows"].append(row)
+    if number == 0:
+      result.update(at={"elements": num_elements, "density": density},
+                    exdyna_over_floor=row["exdyna_over_floor"],
+                    topk_over_exdyna=row["topk_over_exdyna"])
+      if args.chunk_scales:
+        result["chunk_scales"] = chunk_rows(
+            num_elements, density, grads, [int(x) for x in args.chunk_scales.split(",")],
+            args.repeats)
+      if args.profile:
+        result["profile"] = profile_methods(args.profile, num_elements, density, grads, methods)
+      if args.train:
+        result["train"] = train_rows(QUICK_TRAIN_LAYERS if args.quick else TRAIN_LAYERS,
+                                     density, args.repeats)
+    del grads
+    out.write_text(json.dumps(result, indent=1) + "\n")  # after every row: partial results
   print(json.dumps({k: result[k] for k in ("device", "exdyna_over_floor", "topk_over_exdyna")}))
   return result
 

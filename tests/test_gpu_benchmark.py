@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import gzip
+import itertools
 import json
 import math
 import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
 
 from benchmarks import gpu
 
@@ -29,3 +35,41 @@ def test_quick_run_writes_the_ratios_and_the_table(tmp_path):
     # Five steps from the initial threshold: the default never sends more than
     # its ceil(1.1 k) value slots.
     assert row["exdyna"]["sent_over_k"] <= 1.1 + 1 / (0.001 * row["elements"])
+
+
+def test_quick_train_step_times_every_method(tmp_path):
+  out = tmp_path / "gpu.json"
+  gpu.main(["--quick", "--repeats", "1", "--out", str(out), "--methods", "exdyna,topk_ef,floor",
+            "--train"])
+  train = json.loads(out.read_text())["train"]
+  layers = gpu.QUICK_TRAIN_LAYERS
+  assert train["parameters"] == sum(a * b + b for a, b in itertools.pairwise(layers))
+  for name in gpu.TRAIN_METHODS:
+    assert train[name]["seconds"] > 0, name
+
+
+def test_profile_summary_names_each_kernel_and_where_it_came_from(tmp_path):
+  """`busiest_operations` reads a trace's device threads; `with_sources` finds the
+  Python frame XLA recorded for each operation in the compiled HLO."""
+  def scaled_sum(x):
+    return jnp.sum(x * 3.0)
+
+  hlo = jax.jit(scaled_sum).lower(jnp.ones(1000)).compile().as_text()
+  fusion = re.search(r"%(\w+fusion[\w.]*) = ", hlo)[1]
+  events = [
+      {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+      {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
+      {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+      *({"ph": "X", "pid": 1, "tid": 7, "name": fusion.replace(".", "_"), "dur": 4.0}
+        for _ in range(6)),
+      {"ph": "X", "pid": 1, "tid": 7, "name": "MemcpyD2H", "dur": 1.0},
+      {"ph": "X", "pid": 2, "tid": 3, "name": "host work", "dur": 100.0},
+  ]
+  with gzip.open(tmp_path / "host.trace.json.gz", "wt") as file:
+    json.dump({"traceEvents": events}, file)
+  summary = gpu.with_sources(gpu.busiest_operations(tmp_path, steps=2), hlo)
+  (thread,) = summary.values()  # the host's thread is left out
+  assert thread["events_per_step"] == 3.5 and thread["busy_us_per_step"] == 12.5
+  top = thread["top"][0]
+  assert (top["count_per_step"], top["us_per_step"]) == (3, 12)
+  assert top["source"].startswith("test_gpu_benchmark.py:") and "scaled_sum" in top["source"]

@@ -4,7 +4,7 @@ Run: python -m benchmarks.report [--results DIR]
 
 Reads ``cost.json``, ``traffic.json``, ``collectives.json``,
 ``scale_model.json``, ``density_control.json``, ``training_options.json``,
-``profile.json``, ``optimizer_state.json`` and ``cluster.json`` (any may be
+``profile.json``, ``optimizer_state.json``, ``cluster.json`` and ``gpu.json`` (any may be
 missing; its section then says so) and writes ``REPORT.md`` plus ``*.png``
 next to them. Each section is a module of this package.
 """
@@ -16,7 +16,7 @@ import pathlib
 import sys
 
 from benchmarks import _common
-from benchmarks.report import cluster, cost, density, memory, scale, traffic
+from benchmarks.report import cluster, cost, density, gpu, memory, scale, traffic
 from benchmarks.report._format import Report, load, table
 
 # ------------------------------------------------------------------------- header
@@ -71,7 +71,7 @@ def main():
   results = pathlib.Path(args.results)
   names = (
       "cost", "traffic", "collectives", "scale_model", "density_control", "training_options",
-      "profile", "optimizer_state", "cluster",
+      "profile", "optimizer_state", "cluster", "gpu",
   )
   sources = {name: load(results, name) for name in names}
   rep = Report(results)
@@ -85,6 +85,7 @@ def main():
   memory.optimizer_state_section(rep, sources["optimizer_state"])
   cost.profile_section(rep, sources["profile"], sources["cost"])
   cluster.cluster_section(rep, sources["cluster"], table)
+  gpu.gpu_section(rep, sources["gpu"])
   targets = (
     "## Targets (N = 11.2M, n = 8, d = 0.001 unless stated)\n\n"
     + table(["target", "goal", "measured", "verdict"], rep.targets)
