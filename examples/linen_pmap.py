@@ -44,7 +44,7 @@ class MLP(nn.Module):
 def train(method: str, args: argparse.Namespace, split: data.Split,
           out_dir: pathlib.Path) -> dict[str, Any]:
   """Trains a fresh model with ``method``; returns its row of the table."""
-  num_workers = 8
+  num_workers = jax.device_count()  # 8 forced CPU devices, or one worker per GPU
   model = MLP()
   params = model.init(jax.random.key(args.seed), jnp.zeros((1, 64)))["params"]
   options = {} if method == "dense" else {"density": args.density}

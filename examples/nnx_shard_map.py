@@ -1,7 +1,7 @@
 """Flax NNX with a per-worker train step wired by ``exdyna_jax.nnx_step``.
 
-Trains an NNX MLP on scikit-learn's bundled digits with 8 simulated workers,
-once with ``dense`` (plain all-reduce) and once with ExDyna, and prints test
+Trains an NNX MLP on scikit-learn's bundled digits, one worker per device (8
+simulated on CPU), once with ``dense`` (plain all-reduce) and once with ExDyna, and prints test
 accuracy and the bytes each worker sends per step (counted from the compiled
 program's collectives).
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -183,4 +184,13 @@ def test_plots_show_each_partitions_share_and_the_bytes_against_dense():
   assert sorted(bar.get_width() for bar in ax.patches) == [1001.0, 50_000.0]
   labels = [text.get_text() for text in ax.texts]
   assert any("1/50 of dense" in label for label in labels), labels
+  assert ax.get_xscale() == "log"
+  # A worker alone (one GPU) sends nothing: a linear axis, no warning.
+  alone = [SimpleNamespace(method=r.method, hlo_bytes=0, records=[{"bytes_sent": 0}])
+           for r in (dense, run)]
+  fig, ax = plt.subplots()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    report.plot_bytes(ax, alone)
+  assert ax.get_xscale() == "linear"
   plt.close("all")
