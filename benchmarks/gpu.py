@@ -262,12 +262,12 @@ def with_sources(summary, hlo):
   rows = {name: dict(re.findall(r"^(\d+) (.*)$", text, re.MULTILINE))
           for name, text in tables.items()}
 
-  def frame(frame_id):
-    location = rows["StackFrames"][frame_id]
-    fields = dict(re.findall(r"(\w+)=(\d+)", rows["FileLocations"][
-        re.search(r"file_location_id=(\d+)", location)[1]]))
+  def frame(frame_id):  # stack frame -> file location -> file and function names
+    location_id = re.search(r"file_location_id=(\d+)", rows["StackFrames"][frame_id])[1]
+    fields = dict(re.findall(r"(\w+)=(\d+)", rows["FileLocations"][location_id]))
     file = rows["FileNames"][fields["file_name_id"]].strip('"').rsplit("/", 1)[-1]
-    return f"{file}:{rows['FunctionNames'][fields['function_name_id']].strip(chr(34))}"
+    function = rows["FunctionNames"][fields["function_name_id"]].strip('"')
+    return f"{file}:{function}"
 
   sources = {}
   for name, line in re.findall(r"^\s*(?:ROOT )?%([\w.\-]+) = ([^\n]*)$", hlo, re.MULTILINE):
