@@ -44,15 +44,16 @@ def screen(values: Any, recorded_workers: jax.Array, num_workers: int, axis_name
            ) -> Screen:
   """Screens every worker's ``values`` for NaN and infinity, and its state's worker count.
 
-  ``x * 0`` is 0 for a finite ``x`` and NaN for a NaN or an infinity, so the
-  sum of ``values * 0`` is NaN exactly when an element is not finite (and,
-  unlike the sum of the values, it cannot overflow): one read-only pass. One
-  ``psum`` of two int32 flags then tells every worker the same answer, and
-  only where some worker has a bad element are they counted
-  (`count_nonfinite`, in the name scope `SKIPPED_STEP_SCOPE`: a second
-  ``psum``). The predicates are the same on every worker, so under
-  ``jax.vmap`` too the conditionals stay conditionals (a per-worker predicate
-  would make one a select that runs every branch: the count on every step).
+  A NaN or an infinity makes the sum of the values non-finite: one read-only
+  pass screens them (a plain sum: on CPU, ``sum(values * 0)``, which could
+  not overflow, takes twice as long). One ``psum`` of two int32 flags then
+  tells every worker the same answer, and only where some worker's sum is
+  not finite are the bad elements counted (`count_nonfinite`, in the name
+  scope `SKIPPED_STEP_SCOPE`: a second ``psum``; where finite values
+  overflowed the sum the count is 0 and the step goes on). The predicates
+  are the same on every worker, so under ``jax.vmap`` too the conditionals
+  stay conditionals (a per-worker predicate would make one a select that
+  runs every branch: the count on every step).
 
   Args:
     values: this worker's array, or pytree of arrays.
@@ -63,16 +64,16 @@ def screen(values: Any, recorded_workers: jax.Array, num_workers: int, axis_name
   Returns:
     The `Screen`.
   """
-  poisoned = sum((jnp.sum(leaf * 0, dtype=jnp.float32) for leaf in jax.tree.leaves(values)),
-                 jnp.float32(0))
-  flags = jnp.stack([jnp.isnan(poisoned), recorded_workers != num_workers])
-  bad_workers, resized = jax.lax.psum(flags.astype(jnp.int32), axis_name)
+  total = sum((jnp.sum(leaf, dtype=jnp.float32) for leaf in jax.tree.leaves(values)),
+              jnp.float32(0))
+  flags = jnp.stack([~jnp.isfinite(total), recorded_workers != num_workers])
+  tripped, resized = jax.lax.psum(flags.astype(jnp.int32), axis_name)
 
   def count():
     with jax.named_scope(SKIPPED_STEP_SCOPE):
       return count_nonfinite(values, axis_name)
 
-  nonfinite = jax.lax.cond(bad_workers > 0, count, lambda: jnp.zeros((), jnp.int32))
+  nonfinite = jax.lax.cond(tripped > 0, count, lambda: jnp.zeros((), jnp.int32))
   return Screen(nonfinite, resized > 0)
 
 
