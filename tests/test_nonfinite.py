@@ -250,7 +250,7 @@ def screen(values):
 
 
 @pytest.mark.parametrize("name", ["dense", "exdyna"])
-def test_simulated_workers_skip_only_when_a_gradient_is_bad(name):
+def test_simulated_workers_keep_the_guards_two_conditionals(name):
   """Under ``jax.vmap`` the screen's count and the guard's switch stay
   conditionals: their predicates are the same on every worker. (A per-worker
   predicate turns a conditional into a select that runs every branch: a count
