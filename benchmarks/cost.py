@@ -144,7 +144,7 @@ def _patched(patch: str | None):
     def no_screen(values, recorded_workers, num_workers, axis_name):
       # An opaque zero: a constant would let XLA fold the step's select away.
       zero = jax.lax.axis_index(axis_name) * 0
-      return _guard.Screen(zero, zero > 0, zero > 0)
+      return _guard.Screen(zero, zero > 0)
 
     saved = {
       (_guard, "screen"): no_screen,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from benchmarks import hlo_memory
+import exdyna_jax
+from benchmarks import cost, hlo_memory
 
 N = 1 << 20
 W = 1 << 16
@@ -45,3 +46,22 @@ def test_a_fused_gather_reads_what_it_gathers():
   indices = jnp.arange(2 * W, dtype=jnp.int32) * 7
   # The indices are read too (int32, 2W of them).
   assert traffic(gathered_sum, jnp.ones((1, N)), indices) == 4 * 2 * W + 4 * 2 * W
+
+
+def test_the_profiles_no_guard_patch_takes_the_guard_out():
+  """``patch=no_guard`` (the static profile's guard-free variant) still traces
+  the library's step, now without the guard's conditionals, and the step
+  still returns the mean gradient."""
+  tx = exdyna_jax.dense(axis_name="data")
+  grads = jnp.arange(8.0).reshape(2, 4)
+  state = jax.vmap(lambda _: tx.init(jnp.zeros(4)), axis_name="data")(jnp.arange(2))
+
+  def step(g, s):
+    return tx.update(g, s)[0]
+
+  with cost._patched("no_guard"):
+    jaxpr = str(jax.make_jaxpr(jax.vmap(step, axis_name="data"))(grads, state))
+    mean = jax.vmap(step, axis_name="data")(grads, state)
+  assert "cond[" not in jaxpr
+  assert jnp.allclose(mean, jnp.mean(grads, axis=0))
+
