@@ -163,13 +163,9 @@ def train_step(name, layers, density):
   no exchange (the workers' SGD updates are averaged on the one device,
   which is not a collective), the others chain the method with SGD.
   """
-  if name == "compute":
-    tx = optax.sgd(0.01)
-  elif name == "dense":
-    tx = optax.chain(exdyna_jax.dense(axis_name=AXIS), optax.sgd(0.01))
-  else:
-    tx = optax.chain(exdyna_jax.get_sparsifier(name, density=density, axis_name=AXIS),
-                     optax.sgd(0.01))
+  tx = optax.sgd(0.01)
+  if name != "compute":
+    tx = optax.chain(_common.make_tx(name, density, WORKERS), tx)
 
   def per_worker(params, opt_state, batch):
     grads = jax.grad(tasks.mlp_loss)(params, batch)

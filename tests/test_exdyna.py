@@ -17,6 +17,7 @@ import pytest
 from jax import P
 
 import exdyna_jax
+from exdyna_jax import _guard
 from tests import harness
 
 N_WORKERS = 4
@@ -254,13 +255,14 @@ def test_a_step_loops_only_over_the_partition(name):
   params = jnp.zeros(200_000)
   state = jax.vmap(lambda _: tx.init(params), axis_name="data")(jnp.arange(8))
   step = jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="data")
-  found = [(eqn.primitive.name, eqn.params, "skipped_step" in str(eqn.source_info.name_stack))
-           for eqn in all_equations(jax.make_jaxpr(step)(jnp.ones((8, 200_000)), state).jaxpr)]
-  assert [name for name, _, _ in found if name in ("while", "cond")].count("while") == 2
-  assert [name for name, _, _ in found].count("cond") == 2
-  for name, params, skipped in found:
-    if name == "scan" and not skipped:
-      assert params["unroll"] is True or params["unroll"] >= params["length"], params
+  equations = list(all_equations(jax.make_jaxpr(step)(jnp.ones((8, 200_000)), state).jaxpr))
+  primitives = [eqn.primitive.name for eqn in equations]
+  assert primitives.count("while") == 2 and primitives.count("cond") == 2
+  for eqn in equations:
+    skipped = _guard.SKIPPED_STEP_SCOPE in str(eqn.source_info.name_stack)
+    if eqn.primitive.name == "scan" and not skipped:
+      unroll, length = eqn.params["unroll"], eqn.params["length"]
+      assert unroll is True or unroll >= length, eqn.params
 
 
 def all_equations(jaxpr):

@@ -46,20 +46,16 @@ def gpu_section(rep: Report, gpu: dict | None) -> None:
     )
   if "train" in gpu:
     train_table(rep, gpu["train"])
-  for name, threads in gpu.get("profile", {}).items():
-    for thread, summary in threads.items():
-      if name != "exdyna":
-        continue
-      rep.add(
-        f"Profile of `{name}` at the target ({thread}): "
-        f"{summary['events_per_step']:.0f} device events and "
-        f"{summary['busy_us_per_step']:,.0f} us busy per 8-worker step; the busiest:\n\n"
-        + table(["operation", "from", "per step", "us per step"],
-                [[f"`{t['name'][:60]}`", f"`{t['source']}`" if t.get("source") else "",
-                  f"{t['count_per_step']:g}",
-                  f"{t['us_per_step']:,.0f}"] for t in summary["top"][:PROFILE_ITEMS]])
-      )
-
+  for thread, summary in gpu.get("profile", {}).get("exdyna", {}).items():
+    rep.add(
+      f"Profile of `exdyna` at the target ({thread}): "
+      f"{summary['events_per_step']:.0f} device events and "
+      f"{summary['busy_us_per_step']:,.0f} us busy per 8-worker step; the busiest:\n\n"
+      + table(["operation", "from", "per step", "us per step"],
+              [[f"`{t['name'][:60]}`", f"`{t['source']}`" if t.get("source") else "",
+                f"{t['count_per_step']:g}", f"{t['us_per_step']:,.0f}"]
+               for t in summary["top"][:PROFILE_ITEMS]])
+    )
 
 def train_table(rep: Report, train: dict) -> None:
   names = [n for n in ("compute", "dense", "exdyna", "topk") if n in train]
