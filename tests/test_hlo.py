@@ -64,4 +64,3 @@ def test_the_profiles_no_guard_patch_takes_the_guard_out():
     mean = jax.vmap(step, axis_name="data")(grads, state)
   assert "cond[" not in jaxpr
   assert jnp.allclose(mean, jnp.mean(grads, axis=0))
-

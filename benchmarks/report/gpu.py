@@ -57,6 +57,7 @@ def gpu_section(rep: Report, gpu: dict | None) -> None:
                for t in summary["top"][:PROFILE_ITEMS]])
     )
 
+
 def train_table(rep: Report, train: dict) -> None:
   names = [n for n in ("compute", "dense", "exdyna", "topk") if n in train]
   rep.add(

@@ -37,7 +37,8 @@ from typing import Any
 
 # The name scope of what the library's guard runs only on a skipped step (its
 # count of the bad elements): not part of a normal step's traffic.
-SKIPPED_STEP_SCOPE = "skipped_step"
+from exdyna_jax._guard import SKIPPED_STEP_SCOPE
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {
   "pred": 1,
