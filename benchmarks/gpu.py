@@ -332,8 +332,7 @@ def main(argv=None):
   target = (TARGET["elements"], TARGET["density"])
   grid = sorted(grid, key=lambda cell: cell != target)  # the target first
   device = jax.devices()[0]
-  out = pathlib.Path(args.out) if args.out else (
-      pathlib.Path(__file__).resolve().parent / "results" / "gpu.json")
+  out = pathlib.Path(args.out) if args.out else _common.RESULTS / "gpu.json"
   out.parent.mkdir(parents=True, exist_ok=True)
   result = {
       "benchmark": "gpu",
