@@ -20,7 +20,7 @@ floor               the elementwise floor: read ``g`` and ``m``, write ``m``
 ==================  ==========================================================
 
 ``--train`` also times the whole train step a user runs: an MLP of
-``TRAIN_LAYERS`` (25.2M parameters; ``--quick``: a small one), 8 workers
+``TRAIN_LAYERS`` (25.2M parameters, 16 classes; ``--quick``: a small one), 8 workers
 under ``vmap`` with ``TRAIN_BATCH`` examples each, ``optax.chain(method,
 optax.sgd)``, jitted with params and state donated: ``compute`` (the
 gradients and SGD, no exchange), ``dense``, ``exdyna`` and ``topk``.
@@ -34,23 +34,28 @@ loop iterations, more elements read past the partition's ends).
 thread of the trace, the busiest operations per step (``profile`` in the
 JSON), and the number of kernels a step launches.
 
+Every method is timed blocked on each step (``seconds``: what a loop that
+reads each step's result gets, the host's dispatch and wait included) and
+queued (``queued_seconds``: the device's throughput where the host runs
+ahead). ``exdyna_over_floor`` is the blocked ExDyna step over 16 N bytes at
+the copy bandwidth (queued ``y = x + 1``), ``exdyna_over_floor_program`` over
+the floor program, blocked too.
+
 Writes ``results/gpu.json`` (``device``, ``exdyna_over_floor`` and
 ``topk_over_exdyna`` at N = 25M, d = 0.001, and the full table) unless
-``--out`` says otherwise. ``--quick`` runs small sizes (for CPU and tests).
+``--out`` says otherwise. ``--quick`` runs small sizes (for CPU and tests),
+``--target-only`` the target alone (to compare ``XLA_FLAGS``, say).
 
-Run: python -m benchmarks.gpu [--quick] [--train] [--profile DIR] [--out FILE]
-     [--repeats 20] [--methods a,b,...]
+Run: python -m benchmarks.gpu [--quick] [--target-only] [--train] [--profile DIR]
+     [--out FILE] [--repeats 20] [--methods a,b,...]
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
-import gzip
 import json
 import pathlib
-import re
 import statistics
 import sys
 import time
@@ -62,6 +67,7 @@ import optax
 
 import exdyna_jax
 from benchmarks import _common
+from benchmarks._gpu_profile import busiest_operations, with_sources
 from exdyna_jax import _selection
 from exdyna_jax.demo import tasks
 
@@ -71,7 +77,12 @@ TARGET = {"elements": 25_000_000, "density": 0.001}
 FULL_GRID = [(n, d) for n in (11_200_000, 25_000_000, 100_000_000) for d in (0.01, 0.001)]
 QUICK_GRID = [(200_000, 0.001)]
 METHODS = ("exdyna", "exdyna_reference", "micro", "topk_ef", "floor")
-TRAIN_LAYERS = (2048, 4096, 4096, 10)  # 25.2M parameters
+# 25.2M parameters, a multiple of 4: under vmap the 8 workers' residuals are
+# the rows of one [8, N] array, and where N is not (10 classes: N % 4 == 2)
+# rows 1-7 start off the 16-byte alignment XLA:GPU vectorises by (on an
+# H200 the accumulation of this tree took 1.12 ms with 10 classes, 0.58 ms
+# with N a multiple of 4). On 8 GPUs each residual is a buffer of its own.
+TRAIN_LAYERS = (2048, 4096, 4096, 16)
 QUICK_TRAIN_LAYERS = (64, 256, 256, 10)
 TRAIN_BATCH = 128  # examples per worker
 TRAIN_METHODS = ("compute", "dense", "exdyna", "topk")
@@ -92,7 +103,9 @@ def program(name, num_elements, density):
   if name == "floor":
     def floor_step(residual, grads):
       accumulated = grads + residual
-      return accumulated * 0.5, accumulated * 0.5  # new residual, dense update
+      # New residual and dense update; two different values, two buffers
+      # written (equal ones would be computed once and copied: 20 N bytes).
+      return accumulated * 0.5, accumulated * 0.25
     return lambda: jnp.zeros_like(params), floor_step
   if name == "topk_ef":
     k = int(density * num_elements)
@@ -114,7 +127,14 @@ def program(name, num_elements, density):
 
 def timed_steps(step, carry, repeats):
   """Runs ``carry = step(carry)`` 3 times to compile and warm up, then ``repeats``
-  times blocked on each; returns the last carry and the seconds of each."""
+  times blocked on each, then ``repeats`` times queued (one block at the end).
+
+  Returns:
+    ``(carry, times, queued)``: the last carry, the seconds of each blocked
+    step (what a loop that reads every step's result gets: the host's
+    dispatch and the wait included) and the mean seconds of a queued one
+    (the device's throughput, where the host can run ahead).
+  """
   for _ in range(3):
     carry = step(carry)
   jax.block_until_ready(carry)
@@ -123,7 +143,17 @@ def timed_steps(step, carry, repeats):
     start = time.perf_counter()
     carry = jax.block_until_ready(step(carry))
     times.append(time.perf_counter() - start)
-  return carry, times
+  start = time.perf_counter()
+  for _ in range(repeats):
+    carry = step(carry)
+  carry = jax.block_until_ready(carry)
+  return carry, times, (time.perf_counter() - start) / repeats
+
+
+def timing(times, queued, per=1):
+  """The JSON of `timed_steps`' times, each divided by ``per``."""
+  return {"seconds": statistics.median(times) / per, "min_seconds": min(times) / per,
+          "queued_seconds": queued / per}
 
 
 def vmapped_update(name, num_elements, density):
@@ -138,9 +168,9 @@ def vmapped_update(name, num_elements, density):
 
 def time_method(name, num_elements, density, grads, repeats):
   state, run = vmapped_update(name, num_elements, density)
-  (state, _), times = timed_steps(lambda carry: run(carry[0], grads), (state, None), repeats)
-  times = [t / WORKERS for t in times]
-  result = {"seconds": statistics.median(times), "min_seconds": min(times)}
+  (state, _), times, queued = timed_steps(
+      lambda carry: run(carry[0], grads), (state, None), repeats)
+  result = timing(times, queued, per=WORKERS)
   if name not in ("floor", "topk_ef"):
     stats = exdyna_jax.get_stats(state)
     k = int(density * num_elements)
@@ -149,10 +179,11 @@ def time_method(name, num_elements, density, grads, repeats):
 
 
 def copy_bandwidth(num_elements, repeats):
-  """Bytes per second of ``y = x + 1`` over ``8 N`` float32 (read and write)."""
+  """Bytes per second of ``y = x + 1`` over ``8 N`` float32 (read and write), queued:
+  the device's rate, without the host's dispatch and wait of a blocked step."""
   bump = jax.jit(lambda x: x + 1.0, donate_argnums=0)
-  _, times = timed_steps(bump, jnp.ones((WORKERS * num_elements,), jnp.float32), repeats)
-  return 8 * WORKERS * num_elements / statistics.median(times)
+  _, _, queued = timed_steps(bump, jnp.ones((WORKERS * num_elements,), jnp.float32), repeats)
+  return 8 * WORKERS * num_elements / queued
 
 
 def train_step(name, layers, density):
@@ -197,39 +228,13 @@ def train_rows(layers, density, repeats):
   for name in TRAIN_METHODS:
     init, step = train_step(name, layers, density)
     carry = (jax.tree.map(jnp.copy, params), init(params))
-    _, times = timed_steps(functools.partial(step, batch=batch), carry, repeats)
-    rows[name] = {"seconds": statistics.median(times), "min_seconds": min(times)}
+    _, times, queued = timed_steps(functools.partial(step, batch=batch), carry, repeats)
+    rows[name] = timing(times, queued)
     print(f"train {num_params:,} params {name}: {1e3 * rows[name]['seconds']:.3f} ms",
           file=sys.stderr, flush=True)
   for name in TRAIN_METHODS[1:]:
     rows[f"{name}_over_compute"] = rows[name]["seconds"] / rows["compute"]["seconds"]
   return rows
-
-
-def busiest_operations(trace_dir, steps, top=12):
-  """Per device thread of the ``jax.profiler`` trace in ``trace_dir``: events a
-  step, busy microseconds a step, and the ``top`` operations by time."""
-  with gzip.open(next(pathlib.Path(trace_dir).rglob("*.trace.json.gz"))) as file:
-    trace = json.load(file)
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
-           if e.get("ph") == "M" and e["name"] in ("process_name", "thread_name")}
-  threads = collections.defaultdict(lambda: collections.defaultdict(list))
-  for e in events:
-    process = names.get((e.get("pid"), None), "")
-    if e.get("ph") == "X" and "/device:" in process and "CPU" not in process:
-      thread = f"{process} {names.get((e['pid'], e.get('tid')), e.get('tid'))}"
-      threads[thread][e["name"]].append(e["dur"])
-  summary = {}
-  for thread, operations in threads.items():
-    ranked = sorted(operations.items(), key=lambda item: -sum(item[1]))
-    summary[thread] = {
-        "events_per_step": sum(len(d) for d in operations.values()) / steps,
-        "busy_us_per_step": sum(sum(d) for d in operations.values()) / steps,
-        "top": [{"name": name[:160], "count_per_step": len(d) / steps,
-                 "us_per_step": sum(d) / steps} for name, d in ranked[:top]],
-    }
-  return summary
 
 
 def profile_methods(trace_root, num_elements, density, grads, methods):
@@ -242,40 +247,12 @@ def profile_methods(trace_root, num_elements, density, grads, methods):
     directory = pathlib.Path(trace_root) / name
     with jax.profiler.trace(str(directory), create_perfetto_trace=True):
       for _ in range(PROFILE_STEPS):
-        state, _ = jax.block_until_ready(run(state, grads))
+        state, _ = run(state, grads)
+      state = jax.block_until_ready(state)
     hlo = run.lower(state, grads).compile().as_text()
     (directory / "step.hlo.txt").write_text(hlo)
     profiles[name] = with_sources(busiest_operations(directory, PROFILE_STEPS), hlo)
   return profiles
-
-
-def with_sources(summary, hlo):
-  """Adds to each operation of `busiest_operations` where it came from: the
-  innermost Python frame XLA recorded for the instruction of that name
-  (``file:function``) and the last part of its ``op_name``."""
-  tables = dict(re.findall(r"^(FileNames|FunctionNames|FileLocations|StackFrames)\n((?:\d+ .*\n)+)",
-                           hlo, re.MULTILINE))
-  rows = {name: dict(re.findall(r"^(\d+) (.*)$", text, re.MULTILINE))
-          for name, text in tables.items()}
-
-  def frame(frame_id):  # stack frame -> file location -> file and function names
-    location_id = re.search(r"file_location_id=(\d+)", rows["StackFrames"][frame_id])[1]
-    fields = dict(re.findall(r"(\w+)=(\d+)", rows["FileLocations"][location_id]))
-    file = rows["FileNames"][fields["file_name_id"]].strip('"').rsplit("/", 1)[-1]
-    function = rows["FunctionNames"][fields["function_name_id"]].strip('"')
-    return f"{file}:{function}"
-
-  sources = {}
-  for name, line in re.findall(r"^\s*(?:ROOT )?%([\w.\-]+) = ([^\n]*)$", hlo, re.MULTILINE):
-    op_name = re.search(r'op_name="([^"]*)"', line)
-    frame_id = re.search(r"stack_frame_id=(\d+)", line)
-    where = frame(frame_id[1]) if frame_id and "StackFrames" in rows else ""
-    sources[name.replace(".", "_")] = " ".join(
-        part for part in (where, op_name[1].rsplit("/", 1)[-1] if op_name else "") if part)
-  for thread in summary.values():
-    for operation in thread["top"]:
-      operation["source"] = sources.get(operation["name"], "")
-  return summary
 
 
 def chunk_rows(num_elements, density, grads, scales, repeats):
@@ -304,8 +281,11 @@ def grid_row(num_elements, density, methods, repeats):
     print(f"N={num_elements:,} d={density} {name}: {1e3 * row[name]['seconds']:.3f} ms",
           file=sys.stderr, flush=True)
   exdyna = row["exdyna"]["seconds"]
-  row["exdyna_over_floor"] = exdyna / row["floor"]["seconds"]
-  row["exdyna_over_floor_bandwidth"] = exdyna / row["floor_bandwidth_seconds"]
+  # The issue's floor: 16 N bytes at the measured copy bandwidth.
+  row["exdyna_over_floor"] = exdyna / row["floor_bandwidth_seconds"]
+  row["exdyna_queued_over_floor"] = row["exdyna"]["queued_seconds"] / row[
+      "floor_bandwidth_seconds"]
+  row["exdyna_over_floor_program"] = exdyna / row["floor"]["seconds"]
   row["topk_over_exdyna"] = row["topk_ef"]["seconds"] / exdyna
   return row, grads
 
@@ -313,6 +293,7 @@ def grid_row(num_elements, density, methods, repeats):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="small sizes, for CPU and tests")
+  parser.add_argument("--target-only", action="store_true", help="the target size alone")
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--out", default=None, help="JSON (default: results/gpu.json)")
   parser.add_argument("--methods", default=",".join(METHODS),
@@ -331,6 +312,8 @@ def main(argv=None):
   grid = QUICK_GRID if args.quick else FULL_GRID
   target = (TARGET["elements"], TARGET["density"])
   grid = sorted(grid, key=lambda cell: cell != target)  # the target first
+  if args.target_only:
+    grid = grid[:1]
   device = jax.devices()[0]
   out = pathlib.Path(args.out) if args.out else _common.RESULTS / "gpu.json"
   out.parent.mkdir(parents=True, exist_ok=True)

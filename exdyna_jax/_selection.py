@@ -4,8 +4,9 @@ The vector is read in rows of ``ROW`` elements: `row_counts` counts, per row,
 how many elements pass each of several predicates in one pass (packed 6-bit
 fields), `count_in_range` counts a partition for many probe thresholds, and
 `select_in_range` keeps the lowest ``C`` passing indices of a partition from
-the bit masks of its first ``C`` non-empty rows. Both loop over
-chunks that cover the range, so their cost follows the partition's length.
+the bit masks of its first ``C`` non-empty rows. Both read the range in
+chunks that start at its first element (`chunk_window`), so their cost
+follows the partition's length.
 """
 
 from __future__ import annotations
@@ -55,16 +56,42 @@ def row_counts(magnitudes: jax.Array, thresholds: jax.Array) -> jax.Array:
 
 
 def chunk_length(num_elements: int, num_workers: int) -> int:
-  """Elements per iteration of `count_in_range` for a vector split ``num_workers`` ways.
+  """Elements per iteration of the loops over a partition, for ``N`` split ``n`` ways.
 
-  An eighth of a fair share (whole rows), at least `MIN_CHUNK` and at most
-  ``N``: a partition of fair size is counted in about eight iterations (few
-  enough that a loop's per-iteration overhead, a condition check on a GPU,
-  stays in microseconds), and at most one chunk at each end is read beyond
-  it.
+  A quarter of a fair share (whole rows), at least `MIN_CHUNK` and at most
+  ``N``: a partition of fair size is read in four iterations. A GPU reads
+  each iteration's loop condition back to the host and launches the next
+  one's kernels after it (20-35 microseconds an iteration on an H200,
+  shared by 8 workers under ``vmap``, paid by each on 8 GPUs); a longer
+  chunk reads more beyond the partition's end (at most one chunk).
   """
-  eighth = -(-num_elements // (8 * num_workers))
-  return min(num_elements, max(MIN_CHUNK, -(-eighth // ROW) * ROW))
+  quarter = -(-num_elements // (4 * num_workers))
+  return min(num_elements, max(MIN_CHUNK, -(-quarter // ROW) * ROW))
+
+
+def num_chunks(begin: jax.Array, end: jax.Array, chunk: int) -> jax.Array:
+  """Chunks of ``chunk`` elements that read ``[begin, end)``: ``ceil((end - begin) / chunk)``."""
+  return (end - begin + chunk - 1) // chunk
+
+
+def chunk_window(index: jax.Array, begin: jax.Array, end: jax.Array, chunk: int
+                 ) -> tuple[jax.Array, jax.Array]:
+  """Where iteration ``index`` reads the range ``[begin, end)``, and which of it is new.
+
+  Chunk ``i`` starts at ``begin + i * chunk``; the last one shifts left to
+  end at ``end`` (or to start at 0, when the range is shorter than a chunk),
+  so the range is read in `num_chunks` slices of static length with at most
+  one chunk's length read beyond it. The vector must be at least ``chunk``
+  long.
+
+  Returns:
+    ``(start, new)``: int32 where the slice starts, and bool ``[chunk]``,
+    True where an element is in the range and no earlier chunk holds it.
+  """
+  nominal = begin + index * chunk
+  start = jnp.maximum(jnp.minimum(nominal, end - chunk), 0)
+  ids = start + jnp.arange(chunk, dtype=jnp.int32)
+  return start, (ids >= nominal) & (ids < end)
 
 
 def count_in_range(
@@ -77,10 +104,10 @@ def count_in_range(
 ) -> tuple[jax.Array, jax.Array]:
   """Elements of ``accumulated[begin:end]`` with ``|a| >= t``, for each threshold ``t``.
 
-  A loop over the chunks of ``chunk`` elements that overlap ``[begin, end)``
-  reads each of them once, counts all thresholds (`row_counts`) and takes the
-  largest magnitude, so the cost follows the length of the range, not a
-  static bound on it.
+  A loop over `num_chunks` chunks of ``chunk`` elements (`chunk_window`)
+  counts all thresholds in each (`row_counts`) and takes the largest
+  magnitude, so the cost follows the length of the range, not a static bound
+  on it.
 
   Args:
     accumulated: float32 ``[N]``.
@@ -98,23 +125,18 @@ def count_in_range(
 
   def count_chunk(index, carry):
     counts, largest = carry
-    nominal = index * chunk
-    start = jnp.minimum(nominal, num_elements - chunk)  # the last chunk shifts left to fit
-    ids = start + jnp.arange(chunk, dtype=jnp.int32)
-    # From the nominal start only: a shifted last chunk overlaps the one before.
-    inside = (ids >= jnp.maximum(begin, nominal)) & (ids < end)
+    start, inside = chunk_window(index, begin, end, chunk)
     # Outside the range a magnitude of -1 passes no threshold (NaN passes none either).
     magnitudes = jnp.abs(jax.lax.dynamic_slice(accumulated, (start,), (chunk,)))
     magnitudes = jnp.where(inside & ~jnp.isnan(magnitudes), magnitudes, -1.0)
     counts = counts + jnp.sum(row_counts(magnitudes, thresholds), axis=0)
     return counts, jnp.maximum(largest, jnp.max(magnitudes))
 
-  first, last = begin // chunk, (end + chunk - 1) // chunk
   # Zeros typed like the gradient (per worker under shard_map), so the loop
   # carry has the type the body returns.
   zero = jnp.zeros_like(accumulated, shape=())
   carry = (jnp.zeros(thresholds.shape, jnp.int32) + zero.astype(jnp.int32), zero)
-  return jax.lax.fori_loop(first, last, count_chunk, carry)
+  return jax.lax.fori_loop(0, num_chunks(begin, end, chunk), count_chunk, carry)
 
 
 class Selection(NamedTuple):
@@ -172,8 +194,8 @@ def select_in_range(
 ) -> Selection:
   """The lowest ``capacity`` indices in ``[begin, end)`` with ``|a| >= threshold``.
 
-  A loop over the chunks that overlap the range (as `count_in_range`) reads
-  each once: it turns every row of 32 elements into a bit mask of those that
+  A loop over the range's chunks (as `count_in_range`) reads each once: it
+  turns every row of 32 elements of a chunk into a bit mask of those that
   pass (`row_masks`) and keeps the first ``capacity`` non-empty rows with
   their masks. Output slot ``s`` then falls in the kept row whose running
   popcount passes ``s`` and is that row's set bit of the remaining rank
@@ -201,11 +223,7 @@ def select_in_range(
 
   def scan_chunk(index, carry):
     row_starts, kept_masks, filled, passed = carry
-    nominal = index * chunk
-    start = jnp.minimum(nominal, num_elements - chunk)  # the last chunk shifts left to fit
-    ids = start + jnp.arange(chunk, dtype=jnp.int32)
-    # From the nominal start only: a shifted last chunk overlaps the one before.
-    inside = (ids >= jnp.maximum(begin, nominal)) & (ids < end)
+    start, inside = chunk_window(index, begin, end, chunk)
     magnitudes = jnp.abs(jax.lax.dynamic_slice(accumulated, (start,), (chunk,)))
     masks = row_masks(inside & (magnitudes >= threshold))  # NaN passes no threshold
     (rows,) = jnp.nonzero(masks != 0, size=take, fill_value=num_rows)
@@ -218,7 +236,6 @@ def select_in_range(
     counts = jnp.sum(jax.lax.population_count(masks).astype(jnp.int32))
     return row_starts, kept_masks, filled + nonempty, passed + counts
 
-  first, last = begin // chunk, (end + chunk - 1) // chunk
   # Zero typed like the gradient (per worker under shard_map), so the loop
   # carry has the type the body returns even where the range is the same on
   # every worker.
@@ -226,7 +243,7 @@ def select_in_range(
   row_starts = jnp.full((capacity + take,), num_elements, jnp.int32) + zero
   masks = jnp.zeros((capacity + take,), jnp.uint32) + zero.astype(jnp.uint32)
   row_starts, masks, _, passed = jax.lax.fori_loop(
-      first, last, scan_chunk, (row_starts, masks, zero, zero)
+      0, num_chunks(begin, end, chunk), scan_chunk, (row_starts, masks, zero, zero)
   )
 
   # Slot s of the buffer: the kept row where the running count passes s, and

@@ -223,7 +223,7 @@ def test_adaptive_controller_holds_the_target_density(adaptive_run):
     "runner", [harness.run_vmap, harness.run_shard_map], ids=["vmap", "shard_map"]
 )
 def test_probe_counts_in_many_chunks_change_nothing(adaptive_run, runner, monkeypatch):
-  """Counted in chunks of 2,112 elements (about eight per partition), the run is the same.
+  """Counted in chunks of 4,192 elements (about four per partition), the run is the same.
 
   With the default chunk size these 66,650 elements are counted in one chunk;
   the counts are exact integers either way, so thresholds, statistics and
@@ -234,7 +234,7 @@ def test_probe_counts_in_many_chunks_change_nothing(adaptive_run, runner, monkey
   grads = jax.tree.map(lambda g: g[:, :steps], grads)
   monkeypatch.setattr(exdyna_jax._selection, "MIN_CHUNK", exdyna_jax._selection.ROW)
   num_elements = sum(x.size for x in jax.tree.leaves(params))
-  assert exdyna_jax._selection.chunk_length(num_elements, N_WORKERS) == 2112
+  assert exdyna_jax._selection.chunk_length(num_elements, N_WORKERS) == 4192
   chunked_updates, chunked_states, _ = runner(
       exdyna_jax.exdyna(0.01, num_blocks=BLOCKS), params, grads
   )

@@ -12,7 +12,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from benchmarks import gpu
+from benchmarks import _gpu_profile, gpu
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,8 @@ def test_quick_run_writes_the_ratios_and_the_table(tmp_path):
   assert [(r["elements"], r["density"]) for r in result["rows"]] == gpu.QUICK_GRID
   for row in result["rows"]:
     for name in methods:
-      assert row[name]["seconds"] > 0, name
+      assert row[name]["seconds"] > 0 and row[name]["queued_seconds"] > 0, name
+    assert row["exdyna_over_floor"] == row["exdyna"]["seconds"] / row["floor_bandwidth_seconds"]
     assert row["exdyna"]["sent_over_k"] > 0
     # Five steps from the initial threshold: the default never sends more than
     # its ceil(1.1 k) value slots.
@@ -49,7 +50,7 @@ def test_quick_train_step_times_every_method(tmp_path):
 
 
 def test_profile_summary_names_each_kernel_and_where_it_came_from(tmp_path):
-  """`busiest_operations` reads a trace's device threads; `with_sources` finds the
+  """`_gpu_profile.busiest_operations` reads a trace's device threads; `with_sources` finds the
   Python frame XLA recorded for each operation in the compiled HLO."""
   def scaled_sum(x):
     return jnp.sum(x * 3.0)
@@ -60,16 +61,20 @@ def test_profile_summary_names_each_kernel_and_where_it_came_from(tmp_path):
       {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
       {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
       {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
-      *({"ph": "X", "pid": 1, "tid": 7, "name": fusion.replace(".", "_"), "dur": 4.0}
-        for _ in range(6)),
-      {"ph": "X", "pid": 1, "tid": 7, "name": "MemcpyD2H", "dur": 1.0},
-      {"ph": "X", "pid": 2, "tid": 3, "name": "host work", "dur": 100.0},
+      *({"ph": "X", "pid": 1, "tid": 7, "name": fusion.replace(".", "_"), "ts": 10.0 * i,
+         "dur": 4.0} for i in range(6)),
+      {"ph": "X", "pid": 1, "tid": 7, "name": "MemcpyD2H", "ts": 60.0, "dur": 1.0},
+      {"ph": "X", "pid": 2, "tid": 3, "name": "host work", "ts": -50.0, "dur": 300.0},
   ]
   with gzip.open(tmp_path / "host.trace.json.gz", "wt") as file:
     json.dump({"traceEvents": events}, file)
-  summary = gpu.with_sources(gpu.busiest_operations(tmp_path, steps=2), hlo)
+  summary = _gpu_profile.with_sources(_gpu_profile.busiest_operations(tmp_path, steps=2), hlo)
   (thread,) = summary.values()  # the host's thread is left out
   assert thread["events_per_step"] == 3.5 and thread["busy_us_per_step"] == 12.5
+  # The device's span (0 to 61 us) includes its idle gaps; each D2H copy is a wait.
+  assert thread["span_us_per_step"] == 30.5 and thread["device_to_host_per_step"] == 0.5
+  (everything,) = json.loads((tmp_path / "operations.json").read_text()).values()
+  assert [op["name"] for op in everything] == [fusion.replace(".", "_"), "MemcpyD2H"]
   top = thread["top"][0]
   assert (top["count_per_step"], top["us_per_step"]) == (3, 12)
   assert top["source"].startswith("test_gpu_benchmark.py:") and "scaled_sum" in top["source"]

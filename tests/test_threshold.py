@@ -248,9 +248,10 @@ def numpy_count(values, begin, end, thresholds):
 @pytest.mark.parametrize(
     ("num_elements", "chunk", "begin", "end"),
     [
-        (1000, 96, 130, 871),  # 1000 = 10 x 96 + 40: the last chunk shifts left
+        (1000, 96, 130, 871),  # 741 = 7 x 96 + 69: the last chunk shifts left
         (1000, 96, 0, 1000),
-        (1000, 96, 960, 1000),  # only the shifted last chunk
+        (1000, 96, 960, 1000),  # shorter than a chunk: one, ending at the range's end
+        (1000, 96, 10, 40),  # shorter than a chunk, near the start: one, from 0
         (1000, 96, 400, 400),  # empty
         (1000, 4096, 17, 999),  # one chunk longer than the vector
         (1001, 32, 5, 1001),  # a partial last row
@@ -270,7 +271,32 @@ def test_probe_counts_match_numpy_chunk_by_chunk(num_elements, chunk, begin, end
   assert float(largest) == expected
 
 
-def test_chunks_are_an_eighth_of_a_fair_share_within_bounds():
-  assert _selection.chunk_length(11_173_962, 8) == 174_624  # ceil(N / 64), whole rows
+def test_chunks_are_a_quarter_of_a_fair_share_within_bounds():
+  assert _selection.chunk_length(11_173_962, 8) == 349_216  # ceil(N / 32), whole rows
   assert _selection.chunk_length(1_000_000, 8) == _selection.MIN_CHUNK
   assert _selection.chunk_length(5_000, 8) == 5_000
+
+
+@pytest.mark.parametrize("num_elements", [1000, 1001])
+@pytest.mark.parametrize("chunk", [1, 32, 96, 1000])
+def test_a_range_is_read_once_in_chunks_from_its_first_element(num_elements, chunk):
+  """Chunk ``i`` starts at ``begin + i * chunk`` (the last one shifts left, inside
+  the vector); together the chunks hold every element of the range exactly
+  once, and there are ``ceil((end - begin) / chunk)`` of them."""
+  rng = np.random.default_rng(chunk)
+  ranges = [(0, num_elements), (0, 0), (num_elements, num_elements)]
+  ranges += [tuple(sorted(rng.integers(0, num_elements + 1, 2))) for _ in range(40)]
+  window = jax.jit(jax.vmap(lambda i, b, e: _selection.chunk_window(i, b, e, chunk),
+                            in_axes=(0, None, None)))
+  for begin, end in ranges:
+    count = int(_selection.num_chunks(np.int32(begin), np.int32(end), chunk))
+    assert count == -(-(end - begin) // chunk)
+    starts, new = window(np.arange(count, dtype=np.int32), np.int32(begin), np.int32(end))
+    held = np.zeros(num_elements, int)
+    for index, (start, mask) in enumerate(zip(np.asarray(starts), np.asarray(new), strict=True)):
+      assert 0 <= start <= num_elements - chunk
+      if index < count - 1:
+        assert start == begin + index * chunk
+      held[start:start + chunk] += mask
+    np.testing.assert_array_equal(held, (np.arange(num_elements) >= begin)
+                                  & (np.arange(num_elements) < end))
