@@ -166,6 +166,31 @@ def row_masks(passed: jax.Array) -> jax.Array:
   return jnp.sum(bits, axis=1, dtype=jnp.uint32)  # distinct powers of two: the sum is their OR
 
 
+def first_nonzero(masks: jax.Array, size: int, fill_value: int) -> jax.Array:
+  """Positions of the first ``size`` nonzero words of ``masks``, ascending.
+
+  What ``jnp.nonzero(masks != 0, size=size, fill_value=fill_value)`` returns,
+  by a scatter of each nonzero word's position to its rank among them
+  (distinct targets; the rest out of bounds and dropped). ``jnp.nonzero``
+  counts ranks with a scatter-add into ``size`` bins, where every word of a
+  run of empty ones adds into the same bin: a GPU serialises those atomic
+  adds, and a chunk of a sparse partition is mostly such runs.
+
+  Args:
+    masks: ``[L]`` words (zero: nothing passed in that row).
+    size: static number of positions.
+    fill_value: the position given to slots past the last nonzero word.
+
+  Returns:
+    int32 ``[size]``.
+  """
+  nonzero = masks != 0
+  rank = jnp.cumsum(nonzero, dtype=jnp.int32) - 1
+  slot = jnp.where(nonzero, rank, size)  # size and beyond: out of bounds, dropped
+  positions = jnp.arange(masks.shape[0], dtype=jnp.int32)
+  return jnp.full((size,), fill_value, jnp.int32).at[slot].set(positions, mode="drop")
+
+
 def nth_set_bit(masks: jax.Array, ranks: jax.Array) -> jax.Array:
   """Position of the set bit of rank ``ranks`` (0: the lowest) in each uint32 of ``masks``.
 
@@ -226,7 +251,7 @@ def select_in_range(
     start, inside = chunk_window(index, begin, end, chunk)
     magnitudes = jnp.abs(jax.lax.dynamic_slice(accumulated, (start,), (chunk,)))
     masks = row_masks(inside & (magnitudes >= threshold))  # NaN passes no threshold
-    (rows,) = jnp.nonzero(masks != 0, size=take, fill_value=num_rows)
+    rows = first_nonzero(masks, take, fill_value=num_rows)
     at = (jnp.minimum(filled, capacity),)
     row_starts = jax.lax.dynamic_update_slice(row_starts, start + rows * ROW, at)
     kept_masks = jax.lax.dynamic_update_slice(

@@ -95,3 +95,17 @@ def test_row_masks_set_one_bit_per_passing_element():
   padded = np.pad(passed, (0, 28)).reshape(4, 32)
   expected = [sum(1 << j for j in range(32) if row[j]) for row in padded]
   np.testing.assert_array_equal(masks.astype(np.int64), expected)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.01, 0.3, 1.0])
+@pytest.mark.parametrize("size", [1, 7, 64, 500])
+def test_first_nonzero_positions_are_those_of_numpy(fraction, size):
+  """The first ``size`` nonzero words, ascending, then the fill value: what
+  ``np.flatnonzero`` gives, padded (``jnp.nonzero`` with a size and a fill)."""
+  rng = np.random.default_rng(int(fraction * 100) + size)
+  masks = np.where(rng.random(300) < fraction, rng.integers(1, 2**32, 300), 0).astype(np.uint32)
+  got = jax.jit(lambda m: _selection.first_nonzero(m, size, fill_value=300))(masks)
+  expected = np.full(size, 300)
+  first = np.flatnonzero(masks)[:size]
+  expected[: len(first)] = first
+  np.testing.assert_array_equal(np.asarray(got), expected)
