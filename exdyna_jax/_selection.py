@@ -4,7 +4,7 @@ The vector is read in rows of ``ROW`` elements: `row_counts` counts, per row,
 how many elements pass each of several predicates in one pass (packed 6-bit
 fields), `count_in_range` counts a partition for many probe thresholds, and
 `select_in_range` keeps the lowest ``C`` passing indices of a partition from
-the bit masks of its first ``C`` non-empty rows. Both read the range in
+the bit masks of its first ``C`` non-empty rows (`first_nonzero`). Both read the range in
 chunks that start at its first element (`chunk_window`), so their cost
 follows the partition's length.
 """
