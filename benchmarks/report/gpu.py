@@ -55,9 +55,9 @@ def gpu_section(rep: Report, gpu: dict | None) -> None:
     rep.add(
       f"Profile of `exdyna` at the target ({thread}): "
       f"{summary['events_per_step']:.0f} device events, "
-      f"{summary.get('device_to_host_per_step', 0):.0f} device-to-host copies (each a wait "
+      f"{summary['device_to_host_per_step']:.0f} device-to-host copies (each a wait "
       f"of the host) and {summary['busy_us_per_step']:,.0f} us busy in a span of "
-      f"{summary.get('span_us_per_step', 0):,.0f} us per 8-worker step (queued, under the "
+      f"{summary['span_us_per_step']:,.0f} us per 8-worker step (queued, under the "
       "profiler); the busiest:\n\n"
       + table(["operation", "from", "per step", "us per step"],
               [[f"`{t['name'][:60]}`", f"`{t['source']}`" if t.get("source") else "",
