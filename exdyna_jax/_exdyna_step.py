@@ -96,6 +96,8 @@ class StepPlan(NamedTuple):
       (fewer than the ``n C`` buffer slots), else None.
     spill: where the buffers' tails spill, or None (whole buffers).
     chunk: elements a partition is read in per iteration.
+    unrolled: iterations over a partition unrolled on GPUs
+      (`_selection.over_chunks`).
   """
 
   geometry: _partition.BlockGeometry
@@ -103,6 +105,7 @@ class StepPlan(NamedTuple):
   packed_slots: int | None
   spill: _spill.Spill | None
   chunk: int
+  unrolled: int
 
 
 def plan_step(
@@ -132,12 +135,14 @@ def plan_step(
   if controller.num_probes:
     slots = _options.value_slots(target, capacity, num_workers)
     spill_layout = _spill.choose_spill(spill, target, capacity, num_workers)
+  chunk = _selection.chunk_length(num_elements, num_workers)
   return StepPlan(
       geometry=geometry,
       budget=_threshold.Budget(target, capacity, slots),
       packed_slots=slots if slots < num_workers * capacity else None,
       spill=spill_layout,
-      chunk=_selection.chunk_length(num_elements, num_workers),
+      chunk=chunk,
+      unrolled=_selection.unrolled_chunks(num_elements, num_workers, chunk),
   )
 
 
@@ -176,7 +181,7 @@ def partitioned_step(
 
   # One global threshold, from every worker's count of its own partition.
   measure = _threshold.measure_partitions(
-      accumulated, begin, end, chunk=plan.chunk, axis_name=axis_name)
+      accumulated, begin, end, chunk=plan.chunk, unrolled=plan.unrolled, axis_name=axis_name)
   threshold, steady = controller.choose(
       state.threshold, jnp.sum(state.partition_workloads), budget, state.target_correction, t,
       measure,
@@ -185,7 +190,7 @@ def partitioned_step(
   # Exclusive selection: the worker's own partition only, read chunk by chunk.
   selection = _selection.select_in_range(
       accumulated, threshold, begin, end, capacity=budget.capacity, chunk=plan.chunk,
-      fallback_offset=t,
+      unrolled=plan.unrolled, fallback_offset=t,
   )
 
   # Exchange: index buffers with each worker's pass count, values summed.

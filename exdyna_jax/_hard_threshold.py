@@ -136,13 +136,15 @@ def threshold_step(accumulated: jax.Array, stats: _stats.SparsifierStats, num_wo
   """
   num_elements = accumulated.shape[0]
   slots = max(1, min(capacity, num_elements))
+  chunk = _selection.chunk_length(num_elements, 1)
   selection = _selection.select_in_range(
       accumulated,
       jnp.float32(threshold),
       jnp.int32(0),
       jnp.int32(num_elements),
       capacity=slots,
-      chunk=_selection.chunk_length(num_elements, 1),
+      chunk=chunk,
+      unrolled=_selection.unrolled_chunks(num_elements, 1, chunk),  # every chunk
   )
   exchanged = _exchange.exchange(
       accumulated, selection.indices, selection.passed[None], axis_name, value_dtype=value_dtype,

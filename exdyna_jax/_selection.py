@@ -11,7 +11,8 @@ follows the partition's length.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ ROW = 32  # elements per row of the two-level compaction
 FIELD_BITS = 6  # a row of 32 elements has at most 32 passing: 6 bits
 FIELDS_PER_WORD = 5  # 5 x 6 bits fit an int32
 MIN_CHUNK = 1 << 16  # elements per iteration of `count_in_range`, at least
+UNROLLED_PLATFORMS = ("cuda", "rocm")  # where `over_chunks` unrolls: GPUs
 
 
 def row_counts(magnitudes: jax.Array, thresholds: jax.Array) -> jax.Array:
@@ -74,6 +76,53 @@ def num_chunks(begin: jax.Array, end: jax.Array, chunk: int) -> jax.Array:
   return (end - begin + chunk - 1) // chunk
 
 
+def unrolled_chunks(num_elements: int, num_workers: int, chunk: int) -> int:
+  """Iterations over a partition that some worker runs every step.
+
+  Of ``n`` partitions that cut ``N`` elements, the longest holds at least
+  ``ceil(N / n)``, so it takes at least ``ceil(ceil(N / n) / chunk)`` chunks:
+  unrolling that many (`over_chunks`) adds nothing to the slowest worker.
+  """
+  fair_share = -(-num_elements // num_workers)
+  return -(-fair_share // chunk)
+
+
+def over_chunks(count: jax.Array, body: Callable, carry: Any, *, unrolled: int = 0) -> Any:
+  """``lax.fori_loop(0, count, body, carry)``; on GPUs its first ``unrolled`` iterations unrolled.
+
+  A GPU runs a ``while`` loop from the host: it reads the loop condition back
+  after every iteration, then launches the body's kernels again. On an H200
+  (8 workers under ``vmap``, N = 25M) unrolling the first 4 iterations of
+  both loops took a step from 14 such reads to 6 and from 261 kernels to 200:
+  0.404-0.410 ms a worker against 0.433-0.443. Unrolled iterations run even
+  where ``count`` is smaller, so ``body`` must add nothing at an index at or
+  past ``count`` (`chunk_window`'s ``new`` is then empty), and ``unrolled``
+  should be at most what the slowest worker runs anyway (`unrolled_chunks`).
+  A CPU runs a loop at no cost per iteration, so there the loop stays whole:
+  the extra iterations of a short partition would only read more.
+
+  Args:
+    count: int32 iterations.
+    body: ``(index, carry) -> carry``.
+    carry: the loop's initial carry.
+    unrolled: static iterations to unroll (on the platforms in `UNROLLED_PLATFORMS`).
+
+  Returns:
+    The final carry.
+  """
+  def unroll_first(carry):
+    carry = jax.lax.fori_loop(0, unrolled, body, carry, unroll=True)
+    return jax.lax.fori_loop(unrolled, count, body, carry)
+
+  def whole(carry):
+    return jax.lax.fori_loop(0, count, body, carry)
+
+  if not unrolled:
+    return whole(carry)
+  return jax.lax.platform_dependent(
+      carry, **dict.fromkeys(UNROLLED_PLATFORMS, unroll_first), default=whole)
+
+
 def chunk_window(index: jax.Array, begin: jax.Array, end: jax.Array, chunk: int
                  ) -> tuple[jax.Array, jax.Array]:
   """Where iteration ``index`` reads the range ``[begin, end)``, and which of it is new.
@@ -101,6 +150,7 @@ def count_in_range(
     thresholds: jax.Array,
     *,
     chunk: int,
+    unrolled: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
   """Elements of ``accumulated[begin:end]`` with ``|a| >= t``, for each threshold ``t``.
 
@@ -115,6 +165,7 @@ def count_in_range(
     end: int32 one past its last index.
     thresholds: float32 ``[P]`` (``P`` static).
     chunk: static elements per iteration (see `chunk_length`).
+    unrolled: static iterations unrolled on GPUs (`over_chunks`).
 
   Returns:
     ``(counts, largest)``: int32 ``[P]`` counts and the float32 largest
@@ -136,7 +187,7 @@ def count_in_range(
   # carry has the type the body returns.
   zero = jnp.zeros_like(accumulated, shape=())
   carry = (jnp.zeros(thresholds.shape, jnp.int32) + zero.astype(jnp.int32), zero)
-  return jax.lax.fori_loop(0, num_chunks(begin, end, chunk), count_chunk, carry)
+  return over_chunks(num_chunks(begin, end, chunk), count_chunk, carry, unrolled=unrolled)
 
 
 class Selection(NamedTuple):
@@ -215,6 +266,7 @@ def select_in_range(
     *,
     capacity: int,
     chunk: int,
+    unrolled: int = 0,
     fallback_offset: jax.Array | None = None,
 ) -> Selection:
   """The lowest ``capacity`` indices in ``[begin, end)`` with ``|a| >= threshold``.
@@ -234,6 +286,7 @@ def select_in_range(
     end: int32 one past its last index (``> begin``).
     capacity: static buffer size ``C``.
     chunk: static elements per iteration (see `chunk_length`).
+    unrolled: static iterations unrolled on GPUs (`over_chunks`).
     fallback_offset: if given and nothing passes, index
       ``begin + fallback_offset mod (end - begin)`` is sent alone (so every
       worker always sends something, as the reference does).
@@ -267,9 +320,9 @@ def select_in_range(
   zero = jnp.zeros_like(accumulated, jnp.int32, shape=())
   row_starts = jnp.full((capacity + take,), num_elements, jnp.int32) + zero
   masks = jnp.zeros((capacity + take,), jnp.uint32) + zero.astype(jnp.uint32)
-  row_starts, masks, _, passed = jax.lax.fori_loop(
-      0, num_chunks(begin, end, chunk), scan_chunk, (row_starts, masks, zero, zero)
-  )
+  row_starts, masks, _, passed = over_chunks(
+      num_chunks(begin, end, chunk), scan_chunk, (row_starts, masks, zero, zero),
+      unrolled=unrolled)
 
   # Slot s of the buffer: the kept row where the running count passes s, and
   # the set bit of the rank left in that row. Rows and bits ascend, so do slots.

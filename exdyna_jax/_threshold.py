@@ -128,7 +128,8 @@ Measure = Callable[[jax.Array], ProbeCounts]
 
 
 def measure_partitions(
-    accumulated: jax.Array, begin: jax.Array, end: jax.Array, *, chunk: int, axis_name: str
+    accumulated: jax.Array, begin: jax.Array, end: jax.Array, *, chunk: int, unrolled: int,
+    axis_name: str,
 ) -> Measure:
   """The `Measure` of workers that each own a partition ``accumulated[begin:end]``.
 
@@ -141,6 +142,7 @@ def measure_partitions(
     begin: int32 first index of this worker's partition.
     end: int32 one past its last index.
     chunk: static elements per iteration (`_selection.chunk_length`).
+    unrolled: static iterations unrolled on GPUs (`_selection.over_chunks`).
     axis_name: the data-parallel axis.
 
   Returns:
@@ -148,7 +150,8 @@ def measure_partitions(
   """
 
   def measure(thresholds: jax.Array) -> ProbeCounts:
-    counts, largest = _selection.count_in_range(accumulated, begin, end, thresholds, chunk=chunk)
+    counts, largest = _selection.count_in_range(
+        accumulated, begin, end, thresholds, chunk=chunk, unrolled=unrolled)
     largest_bits = _collectives.float_bits(largest)[None]
     gathered = _collectives.all_gather(jnp.concatenate([counts, largest_bits]), axis_name)
     return ProbeCounts(gathered[:, :-1], _collectives.bits_float(jnp.max(gathered[:, -1])))

@@ -89,3 +89,24 @@ def unflatten_like(flat: np.ndarray, template) -> object:
     offset += size
   assert offset == flat.shape[-1]
   return jax.tree.unflatten(treedef, pieces)
+
+
+def all_equations(jaxpr, platform):
+  """The equations of ``jaxpr`` and of every jaxpr inside them, depth first; of a
+  ``lax.platform_dependent`` conditional, only the branch ``platform`` runs."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "platform_index":
+      continue
+    branches_platforms = eqn.params.get("branches_platforms")
+    if branches_platforms:
+      default = branches_platforms.index(None)
+      chosen = next((i for i, names in enumerate(branches_platforms)
+                     if names and platform in names), default)
+      yield from all_equations(eqn.params["branches"][chosen].jaxpr, platform)
+      continue
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from all_equations(inner, platform)

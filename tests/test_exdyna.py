@@ -250,30 +250,25 @@ def test_a_step_loops_only_over_the_partition(name):
   from the host. A step keeps two loops, the probe count and the selection over
   the worker's own partition, and two conditionals, the guard's count of bad
   elements (its loop runs only on a skipped step) and its switch; searches over
-  sorted arrays are unrolled."""
+  sorted arrays are unrolled. On a GPU each of the two loops runs its first
+  chunks unrolled, ahead of it (`_selection.over_chunks`)."""
   tx = exdyna_jax.get_sparsifier(name, density=0.001, axis_name="data")
   params = jnp.zeros(200_000)
   state = jax.vmap(lambda _: tx.init(params), axis_name="data")(jnp.arange(8))
   step = jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="data")
-  equations = list(all_equations(jax.make_jaxpr(step)(jnp.ones((8, 200_000)), state).jaxpr))
-  primitives = [eqn.primitive.name for eqn in equations]
-  assert primitives.count("while") == 2 and primitives.count("cond") == 2
-  for eqn in equations:
-    skipped = _guard.SKIPPED_STEP_SCOPE in str(eqn.source_info.name_stack)
-    if eqn.primitive.name == "scan" and not skipped:
-      unroll, length = eqn.params["unroll"], eqn.params["length"]
-      assert unroll is True or unroll >= length, eqn.params
-
-
-def all_equations(jaxpr):
-  """The equations of ``jaxpr`` and of every jaxpr inside them, depth first."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          yield from all_equations(inner)
+  jaxpr = jax.make_jaxpr(step)(jnp.ones((8, 200_000)), state).jaxpr
+  scans = {}
+  for platform in ("cuda", "cpu"):
+    equations = list(harness.all_equations(jaxpr, platform))
+    primitives = [eqn.primitive.name for eqn in equations]
+    assert primitives.count("while") == 2 and primitives.count("cond") == 2
+    for eqn in equations:
+      skipped = _guard.SKIPPED_STEP_SCOPE in str(eqn.source_info.name_stack)
+      if eqn.primitive.name == "scan" and not skipped:
+        unroll, length = eqn.params["unroll"], eqn.params["length"]
+        assert unroll is True or unroll >= length, eqn.params
+    scans[platform] = primitives.count("scan")
+  assert scans["cuda"] == scans["cpu"] + 2
 
 
 def test_overflow_stays_in_the_residual():

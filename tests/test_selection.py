@@ -109,3 +109,43 @@ def test_first_nonzero_positions_are_those_of_numpy(fraction, size):
   first = np.flatnonzero(masks)[:size]
   expected[: len(first)] = first
   np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+@pytest.mark.parametrize(("begin", "end"), [(0, N), (37, 9_001), (4_095, 4_130), (9_990, N)])
+def test_unrolled_first_chunks_change_no_selection_and_no_count(monkeypatch, begin, end):
+  """On GPUs the loops run their first chunks unrolled, also past a short
+  range's last chunk (`over_chunks`): here forced on the CPU, the lowest
+  passing indices and the probe counts are still NumPy's."""
+  monkeypatch.setattr(_selection, "UNROLLED_PLATFORMS", ("cpu",))
+  rng = np.random.default_rng(begin)
+  values = rng.standard_normal(N).astype(np.float32)
+  values[rng.random(N) < 0.01] = np.nan
+  threshold = 2.0
+  selection = jax.jit(lambda v, b, e: _selection.select_in_range(
+      v, jnp.float32(threshold), b, e, capacity=64, chunk=1024, unrolled=3, fallback_offset=5)
+  )(values, np.int32(begin), np.int32(end))
+  expected = numpy_select(values, threshold, begin, end, 64, fallback_offset=5)
+  np.testing.assert_array_equal(np.asarray(selection.indices), expected[0])
+  assert int(selection.passed) == expected[1]
+  thresholds = jnp.asarray([0.5, 1.0, 2.0, 3.0], jnp.float32)
+  counts, largest = jax.jit(lambda v, b, e: _selection.count_in_range(
+      v, b, e, thresholds, chunk=1024, unrolled=3))(values, np.int32(begin), np.int32(end))
+  magnitudes = np.abs(values[begin:end])
+  np.testing.assert_array_equal(np.asarray(counts), [np.sum(magnitudes >= t) for t in thresholds])
+  assert float(largest) == np.nanmax(magnitudes)
+
+
+@pytest.mark.parametrize(("num_elements", "num_workers", "chunk"),
+                         [(10_000, 4, 1024), (10_000, 8, 313), (4_093, 3, 32), (100, 1, 25)])
+def test_unrolled_chunks_never_exceed_the_longest_partitions(num_elements, num_workers, chunk):
+  """However ``N`` is cut ``n`` ways, some partition takes at least
+  `unrolled_chunks` chunks: unrolling them costs the slowest worker nothing."""
+  rng = np.random.default_rng(num_elements + chunk)
+  unrolled = _selection.unrolled_chunks(num_elements, num_workers, chunk)
+  assert unrolled >= 1
+  for _ in range(200):
+    cuts = np.sort(rng.integers(0, num_elements + 1, num_workers - 1))
+    lengths = np.diff(np.concatenate([[0], cuts, [num_elements]]))
+    assert max(-(-lengths // chunk)) >= unrolled
+  even = -(-num_elements // num_workers)  # the most even cut, at its longest
+  assert -(-even // chunk) == unrolled
