@@ -222,17 +222,21 @@ def test_adaptive_controller_holds_the_target_density(adaptive_run):
 @pytest.mark.parametrize(
     "runner", [harness.run_vmap, harness.run_shard_map], ids=["vmap", "shard_map"]
 )
-def test_probe_counts_in_many_chunks_change_nothing(adaptive_run, runner, monkeypatch):
+@pytest.mark.parametrize("unrolled", [False, True])
+def test_probe_counts_in_many_chunks_change_nothing(adaptive_run, runner, monkeypatch, unrolled):
   """Counted in chunks of 4,192 elements (about four per partition), the run is the same.
 
   With the default chunk size these 66,650 elements are counted in one chunk;
   the counts are exact integers either way, so thresholds, statistics and
-  updates are identical.
+  updates are identical. Also with each loop's first four chunks unrolled,
+  as a GPU runs them (here forced on the CPU), short partitions included.
   """
   params, grads, updates, states, _ = adaptive_run
   steps = 15
   grads = jax.tree.map(lambda g: g[:, :steps], grads)
   monkeypatch.setattr(exdyna_jax._selection, "MIN_CHUNK", exdyna_jax._selection.ROW)
+  if unrolled:
+    monkeypatch.setattr(exdyna_jax._selection, "UNROLLED_PLATFORMS", ("cpu",))
   num_elements = sum(x.size for x in jax.tree.leaves(params))
   assert exdyna_jax._selection.chunk_length(num_elements, N_WORKERS) == 4192
   chunked_updates, chunked_states, _ = runner(
