@@ -6,7 +6,8 @@ fields), `count_in_range` counts a partition for many probe thresholds, and
 `select_in_range` keeps the lowest ``C`` passing indices of a partition from
 the bit masks of its first ``C`` non-empty rows (`first_nonzero`). Both read the range in
 chunks that start at its first element (`chunk_window`), so their cost
-follows the partition's length.
+follows the partition's length; on GPUs the first chunks run unrolled
+(`over_chunks`).
 """
 
 from __future__ import annotations
