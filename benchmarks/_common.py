@@ -190,6 +190,25 @@ def _default(x):
     return str(x)
 
 
+def blocked_seconds(step: Any, carry: Any, repeats: int) -> tuple[Any, list[float]]:
+  """Runs ``carry = step(carry)`` ``repeats`` times, waiting for each result.
+
+  Each time is a blocked step: what a loop that reads every step's result
+  gets, the host's dispatch and its wait for the device included.
+
+  Returns:
+    ``(carry, seconds)``: the last carry and the seconds of each step.
+  """
+  import jax
+
+  seconds = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    carry = jax.block_until_ready(step(carry))
+    seconds.append(time.perf_counter() - start)
+  return carry, seconds
+
+
 class Clock:
   """Wall time since construction, for progress lines and budgets."""
 

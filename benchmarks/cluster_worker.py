@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import exdyna_jax  # noqa: E402
+from benchmarks import _common  # noqa: E402
 from exdyna_jax.demo import hlo, tasks  # noqa: E402
 from exdyna_jax.demo.cluster_worker import (  # noqa: E402
   AXIS,
@@ -123,11 +124,7 @@ def calibrate(mesh, sizes=(16, 4096, 65536, 1 << 20, 4 << 20), repeats: int = 5)
       values = jax.make_array_from_process_local_data(sharding, local)
       jax.block_until_ready(fn(values))
       barrier()
-      seconds = []
-      for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(values))
-        seconds.append(time.perf_counter() - start)
+      _, seconds = _common.blocked_seconds(lambda _, fn=fn, x=values: fn(x), None, repeats)
       op = {"kind": kind, "group": jax.device_count(),
             "result_bytes": size * (jax.device_count() if kind == "all-gather" else 1)}
       rows.append({**op, **hlo.ring_cost(op), "seconds": float(np.median(seconds))})
@@ -166,12 +163,9 @@ def time_variant(variant, mesh, params, batch, args) -> dict:
   for _ in range(args.warmup):
     params, opt_state = jax.block_until_ready(train_step(params, opt_state, batch))
   barrier()  # every process starts the timed steps together
-  seconds = []
   begin = time.perf_counter()
-  for _ in range(args.steps):
-    start = time.perf_counter()
-    params, opt_state = jax.block_until_ready(train_step(params, opt_state, batch))
-    seconds.append(time.perf_counter() - start)
+  (params, opt_state), seconds = _common.blocked_seconds(
+      lambda carry: train_step(*carry, batch), (params, opt_state), args.steps)
   elapsed = time.perf_counter() - begin
   # Without an exchange the processes drift apart (one may run alone a while):
   # the mean over steps that all processes run together is what compares.

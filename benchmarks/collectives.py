@@ -23,7 +23,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 from benchmarks import _common
 from exdyna_jax.demo import hlo
@@ -40,11 +39,7 @@ AXIS = _common.AXIS
 
 def _time(fn, args, repeats):
   jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
+  _, times = _common.blocked_seconds(lambda _: fn(*args), None, repeats)
   return statistics.median(times)
 
 

@@ -137,12 +137,7 @@ def timed_steps(step, carry, repeats):
   """
   for _ in range(3):
     carry = step(carry)
-  jax.block_until_ready(carry)
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    carry = jax.block_until_ready(step(carry))
-    times.append(time.perf_counter() - start)
+  carry, times = _common.blocked_seconds(step, jax.block_until_ready(carry), repeats)
   start = time.perf_counter()
   for _ in range(repeats):
     carry = step(carry)

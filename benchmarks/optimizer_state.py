@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 from benchmarks import _common
 from exdyna_jax.demo import hlo
@@ -70,11 +69,8 @@ def time_step(method: str, inner: str, steps: int) -> dict:
   compiled = train_step.lower(params, opt_state, batch).compile()
   for _ in range(3):
     params, opt_state = jax.block_until_ready(train_step(params, opt_state, batch))
-  seconds = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    params, opt_state = jax.block_until_ready(train_step(params, opt_state, batch))
-    seconds.append(time.perf_counter() - start)
+  (params, opt_state), seconds = _common.blocked_seconds(
+      lambda carry: train_step(*carry, batch), (params, opt_state), steps)
   largest = max(leaf.nbytes for leaf in jax.tree.leaves(params))
   return {"method": method, "inner": inner,
           "step_ms": round(statistics.median(seconds) * 1e3, 2),
