@@ -51,6 +51,8 @@ VARIANTS = {
     "exdyna": ("exdyna", {}),
     "exdyna_nospill": ("exdyna", {"spill": False}),
     "exdyna_reference": ("exdyna", {"controller": "reference"}),
+    # Told the network: gloo over TCP, a message about 1 ms (the calibration's alpha).
+    "exdyna_network": ("exdyna", {"network": exdyna_jax.Network(1e-3, 1e9 / 8)}),
     "micro": ("micro", {}),
     "spardl": ("spardl", {}),
     "topk": ("topk", {}),

@@ -8,6 +8,7 @@ from exdyna_jax._feedback import ErrorFeedbackState
 from exdyna_jax._hard_threshold import hard_threshold
 from exdyna_jax._hierarchical import hierarchical
 from exdyna_jax._micro import micro
+from exdyna_jax._network import Network
 from exdyna_jax._nnx import nnx_optimizer, nnx_step
 from exdyna_jax._registry import available_sparsifiers, get_sparsifier
 from exdyna_jax._resize import resize_workers
@@ -22,6 +23,7 @@ __all__ = [
     "DenseState",
     "ErrorFeedbackState",
     "ExDynaState",
+    "Network",
     "SparDLRounds",
     "SparDLState",
     "SparsifierStats",

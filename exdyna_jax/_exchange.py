@@ -197,8 +197,15 @@ def aggregate_at(
     indices: jax.Array,
     axis_name: str,
     value_dtype: jnp.dtype = jnp.float32,
+    *,
+    gather: bool = False,
 ) -> SparseUpdate:
   """Mean of all workers' accumulated gradients at ``indices`` (one ``psum``).
+
+  With ``gather`` the values are all-gathered instead and every worker sums
+  them itself, in worker order: the same sum (up to the order of its
+  additions) in half the messages for ``n / 2`` times the bytes
+  (`_network.gather_pays`).
 
   With a narrow ``value_dtype`` (bfloat16, float16) each worker sends its
   value divided by ``n``, rounded (and clipped to the dtype's range over
@@ -213,6 +220,7 @@ def aggregate_at(
       ``N`` is ignored and duplicates are harmless.
     axis_name: the data-parallel axis.
     value_dtype: the dtype the values are summed in (float32: exact as before).
+    gather: sum an all-gather on each worker instead of a ``psum``.
 
   Returns:
     The `SparseUpdate` at the flattened ``indices``.
@@ -220,11 +228,17 @@ def aggregate_at(
   num_workers = _collectives.axis_size(axis_name)
   flat_indices = indices.reshape(-1)
   values = accumulated.at[flat_indices].get(mode="fill", fill_value=0)
+
+  def total(x):
+    if gather:
+      return jnp.sum(_collectives.all_gather(x, axis_name), axis=0, dtype=x.dtype)
+    return jax.lax.psum(x, axis_name)
+
   if jnp.dtype(value_dtype) == values.dtype:
-    return SparseUpdate(flat_indices, jax.lax.psum(values, axis_name) / num_workers)
+    return SparseUpdate(flat_indices, total(values) / num_workers)
   limit = float(jnp.finfo(value_dtype).max) / num_workers
   sent = jnp.clip(values / num_workers, -limit, limit).astype(value_dtype)
-  mean = jax.lax.psum(sent, axis_name).astype(values.dtype)
+  mean = total(sent).astype(values.dtype)
   return SparseUpdate(flat_indices, mean, kept=values - num_workers * sent.astype(values.dtype))
 
 
@@ -258,6 +272,7 @@ def exchange(
     value_slots: int | None = None,
     value_dtype: jnp.dtype = jnp.float32,
     spill: _spill.Spill | None = None,
+    gather_values: bool = False,
 ) -> Exchanged:
   """All-gathers index buffers (and side information) and sums the values there.
 
@@ -275,6 +290,8 @@ def exchange(
     value_dtype: the dtype the values are summed in (`aggregate_at`).
     spill: gather only the buffers' heads and spill the rest (`_spill.Spill`), or
       None.
+    gather_values: all-gather the values and sum them on each worker
+      (`aggregate_at`'s ``gather``) instead of a ``psum``.
 
   Returns:
     The `Exchanged` result.
@@ -285,10 +302,10 @@ def exchange(
   reduced = gathered_indices
   if value_slots is not None:
     reduced = compact(gathered_indices, value_slots, accumulated.shape[0])
-  sparse = aggregate_at(accumulated, reduced, axis_name, value_dtype)
+  sparse = aggregate_at(accumulated, reduced, axis_name, value_dtype, gather=gather_values)
   bytes_sent = exchange_bytes(
       gathered_indices.shape[0], indices.shape[0], side_info.shape[0], value_slots,
-      jnp.dtype(value_dtype).itemsize, spill,
+      jnp.dtype(value_dtype).itemsize, spill, gather_values,
   )
   return Exchanged(sparse, gathered_indices, gathered_info, bytes_sent)
 
@@ -318,14 +335,18 @@ def exchange_bytes(
     value_slots: int | None = None,
     value_bytes: int = _collectives.VALUE_BYTES,
     spill: _spill.Spill | None = None,
+    gather_values: bool = False,
 ) -> int:
   """Bytes one worker sends per step in `exchange`, for ring collectives.
 
   The index buffers' (`_spill.index_bytes`), then the values': a ring
-  all-reduce of ``M`` bytes sends ``2 (n-1) / n M``, here ``value_slots``
-  values of ``value_bytes`` each, or ``n C`` without compaction.
+  all-reduce of ``M`` bytes sends ``2 (n-1) / n M`` (an all-gather, with
+  ``gather_values``, ``(n-1) M``), here ``value_slots`` values of
+  ``value_bytes`` each, or ``n C`` without compaction.
   """
   if value_slots is None:
     value_slots = num_workers * capacity
-  reduce = _collectives.ring_all_reduce_bytes(num_workers, value_slots * value_bytes)
-  return _spill.index_bytes(num_workers, capacity, side_info, spill) + reduce
+  collective = (_collectives.ring_all_gather_bytes if gather_values
+                else _collectives.ring_all_reduce_bytes)
+  values = collective(num_workers, value_slots * value_bytes)
+  return _spill.index_bytes(num_workers, capacity, side_info, spill) + values

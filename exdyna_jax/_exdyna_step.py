@@ -14,7 +14,16 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from exdyna_jax import _exchange, _options, _partition, _selection, _spill, _stats, _threshold
+from exdyna_jax import (
+  _exchange,
+  _network,
+  _options,
+  _partition,
+  _selection,
+  _spill,
+  _stats,
+  _threshold,
+)
 
 
 class ExDynaState(NamedTuple):
@@ -98,6 +107,8 @@ class StepPlan(NamedTuple):
     chunk: elements a partition is read in per iteration.
     unrolled: iterations over a partition unrolled on GPUs
       (`_selection.over_chunks`).
+    gather_values: whether the values are all-gathered and summed on each
+      worker instead of all-reduced (`_network.gather_pays`).
   """
 
   geometry: _partition.BlockGeometry
@@ -106,6 +117,7 @@ class StepPlan(NamedTuple):
   spill: _spill.Spill | None
   chunk: int
   unrolled: int
+  gather_values: bool = False
 
 
 def plan_step(
@@ -118,13 +130,17 @@ def plan_step(
     capacity_factor: float | None,
     controller: _threshold.ThresholdController,
     spill: bool | None,
+    network: _network.Network | None = None,
+    value_bytes: int = 4,
 ) -> StepPlan:
   """The `StepPlan` of ``N`` elements on ``n`` workers at ``density``.
 
   The published exchange gathers and sums every buffer slot; a steered
   density (a controller with probes) lets the gathered indices be packed
   into about ``k`` value slots and the buffers' tails spill into shared
-  slots (`_spill.choose_spill`).
+  slots (`_spill.choose_spill`). On a ``network`` the user describes, the
+  spill is priced on it, and the values (``value_bytes`` each) are
+  all-gathered where that is faster than their all-reduce there.
   """
   geometry = partitioner.geometry(num_elements, num_workers, num_blocks)
   target = _options.target_count(density, num_elements)
@@ -134,7 +150,8 @@ def plan_step(
   slots, spill_layout = num_workers * capacity, None
   if controller.num_probes:
     slots = _options.value_slots(target, capacity, num_workers)
-    spill_layout = _spill.choose_spill(spill, target, capacity, num_workers)
+    spill_layout = _spill.choose_spill(
+        spill, target, capacity, num_workers, network or _network.NOMINAL)
   chunk = _selection.chunk_length(num_elements, num_workers)
   return StepPlan(
       geometry=geometry,
@@ -143,6 +160,8 @@ def plan_step(
       spill=spill_layout,
       chunk=chunk,
       unrolled=_selection.unrolled_chunks(num_elements, num_workers, chunk),
+      gather_values=network is not None and _network.gather_pays(
+          network, num_workers, slots * value_bytes),
   )
 
 
@@ -197,6 +216,7 @@ def partitioned_step(
   exchanged = _exchange.exchange(
       accumulated, selection.indices, selection.passed[None], axis_name,
       value_slots=plan.packed_slots, value_dtype=value_dtype, spill=plan.spill,
+      gather_values=plan.gather_values,
   )
   estimate = partitioner.observe(
       estimate, geometry, sizes=sizes, step=t, gathered_indices=exchanged.gathered_indices,

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from exdyna_jax import _collectives
+from exdyna_jax import _collectives, _network
 
 
 class Spill(NamedTuple):
@@ -68,16 +68,18 @@ def default_spill(target: int, capacity: int, num_workers: int) -> Spill | None:
 
 
 def choose_spill(
-    spill: bool | None, target: int, capacity: int, num_workers: int
+    spill: bool | None, target: int, capacity: int, num_workers: int,
+    network: _network.Network = _network.NOMINAL,
 ) -> Spill | None:
   """The `Spill` of the adaptive controller's exchange, as ``exdyna(spill=...)`` asks.
 
   Args:
     spill: True: `default_spill` wherever it sends fewer bytes; False:
-      never; None: where it also `spill_pays`.
+      never; None: where it also `spill_pays` on ``network``.
     target: ``k``.
     capacity: ``C``, index slots per worker.
     num_workers: ``n``.
+    network: what the spill is priced on (`_network.NOMINAL` unless the user says).
 
   Returns:
     The layout, or None for whole buffers.
@@ -85,33 +87,28 @@ def choose_spill(
   if spill is False:
     return None
   layout = default_spill(target, capacity, num_workers)
-  if spill is None and layout is not None and not spill_pays(layout, capacity, num_workers):
+  if (spill is None and layout is not None
+      and not spill_pays(layout, capacity, num_workers, network)):
     return None
   return layout
 
 
-# The network `spill_pays` prices a spill on when the user does not say: the
-# reference network of benchmarks/scale_model.py (5 us per message, 25 Gb/s
-# per worker), where a message costs what 16 kB on the link cost.
-NOMINAL_MESSAGE_SECONDS = 5e-6
-NOMINAL_LINK_BYTES_PER_SECOND = 25e9 / 8
-
-
-def spill_pays(spill: Spill, capacity: int, num_workers: int) -> bool:
-  """Whether ``spill`` makes a step's exchange faster on the nominal network.
+def spill_pays(spill: Spill, capacity: int, num_workers: int,
+               network: _network.Network = _network.NOMINAL) -> bool:
+  """Whether ``spill`` makes a step's exchange faster on ``network``.
 
   The spill sends fewer bytes than whole buffers, for one more collective:
   an all-reduce of ``2 ceil(log2 n)`` messages at the least (the
   latency-optimal algorithm NCCL and MPI take for small messages). It pays
   where the bytes it saves take longer on the link than those messages'
-  latency, both at `NOMINAL_MESSAGE_SECONDS` and
-  `NOMINAL_LINK_BYTES_PER_SECOND`: at large ``k`` (on 8 workers from about
-  ``d = 0.01`` of ``N = 11.2M``), not at small ``k``.
+  latency: on `_network.NOMINAL` (5 us a message, 25 Gb/s) at large ``k``
+  (on 8 workers from about ``d = 0.01`` of ``N = 11.2M``), not at small ``k``.
 
   Args:
     spill: the layout `default_spill` gives.
     capacity: ``C``, index slots per worker.
     num_workers: ``n``.
+    network: what a message and a byte cost.
 
   Returns:
     True where the spill is the faster exchange.
@@ -119,8 +116,8 @@ def spill_pays(spill: Spill, capacity: int, num_workers: int) -> bool:
   whole = index_bytes(num_workers, capacity, side_info=0)
   spilled = index_bytes(num_workers, capacity, side_info=0, spill=spill)
   messages = 2 * math.ceil(math.log2(num_workers))  # never more than a ring's 2 (n - 1)
-  saved_seconds = (whole - spilled) / NOMINAL_LINK_BYTES_PER_SECOND
-  return saved_seconds > messages * NOMINAL_MESSAGE_SECONDS
+  saved_seconds = (whole - spilled) / network.bytes_per_second
+  return saved_seconds > messages * network.message_seconds
 
 
 def gather_spilled(
