@@ -33,9 +33,10 @@ fast_axis="local")`` with the in-process reduction a ``psum`` or a
 
 Time to accuracy (``--parts accuracy``): 4 processes at 1 Gb/s and unshaped
 train the digits with the demo's `exdyna_jax.demo.cluster_worker` (an MLP 64-2048-2048-10,
-4.3M parameters, d = 0.01): dense for ``--accuracy-steps`` steps, then each
-other method for as many seconds; the test accuracy against wall-clock
-seconds, and when each first reaches dense's final score.
+4.3M parameters, d = 0.01; ExDyna told the network, ``Network(1e-3,
+1.25e8)``): dense for ``--accuracy-steps`` steps, then each other method
+for as many seconds; the test accuracy against wall-clock seconds, and when
+each first reaches dense's final score.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ WORKER = [sys.executable, "-m", "benchmarks.cluster_worker"]
 # The demo's worker and settings (`exdyna-jax demo --processes 4 --method exdyna topk`).
 ACCURACY_WORKER = [sys.executable, "-m", cluster.WORKER_MODULE, "--task=digits-wide",
                    "--variants=dense,exdyna,exdyna_warmup,topk"]
-ACCURACY_CONFIG = {"density": 0.01, "eval_every": 10}
+# ExDyna is told the network, as docs/multihost.md advises where messages are dear:
+# gloo over TCP, about 1 ms a message (the calibration's alpha), 1 Gb/s.
+ACCURACY_CONFIG = {"density": 0.01, "eval_every": 10, "network": [1e-3, 1.25e8]}
 ACCURACY_WORKERS, ACCURACY_RATES = 4, ("1gbit", "unshaped")
 RATES = ("100mbit", "1gbit", "unshaped")
 WORKERS = (2, 4, 8)

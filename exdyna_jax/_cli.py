@@ -119,6 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def _network_pair(text: str) -> tuple[float, float]:
+  """``SECONDS,BYTES_PER_SECOND`` -> two positive numbers (argparse's type)."""
+  try:
+    pair = tuple(float(part) for part in text.split(","))
+  except ValueError:
+    pair = ()
+  if len(pair) != 2 or not all(0 < x < float("inf") for x in pair):
+    raise argparse.ArgumentTypeError(
+        f"expected two positive numbers SECONDS,BYTES_PER_SECOND (1e-3,1.25e8), got {text!r}")
+  return pair
+
+
 def add_demo_outputs(demo: argparse.ArgumentParser) -> None:
   """The demo's task, cluster and output options."""
   demo.add_argument("--task", choices=sorted(TASKS), default=None,
@@ -136,6 +148,11 @@ def add_demo_outputs(demo: argparse.ArgumentParser) -> None:
                        help="each process's link, both ways, in tc's notation: 1gbit, "
                        "100mbit, unshaped, or one rate per process, comma-separated "
                        "(default: 1gbit)")
+  demo.add_argument("--network", type=_network_pair, default=None,
+                    metavar="SECONDS,BYTES_PER_SECOND",
+                    help="tell ExDyna what a message and a byte cost between workers "
+                    "(exdyna_jax.Network), e.g. 1e-3,1.25e8 for gloo at 1 Gb/s: it then "
+                    "prices its spill and its values' collective on that (default: not told)")
   demo.add_argument("--run-dir", type=pathlib.Path, default=None,
                     help="output directory (default: runs/<task>-d<density>-<time>)")
   demo.add_argument("--no-progress", action="store_true", help="hide the progress bars")
@@ -163,7 +180,8 @@ def _demo_config(args: argparse.Namespace, *, steps: int, eval_every: int):
       steps=args.steps or steps, density=args.density, batch_per_worker=args.batch_per_worker,
       learning_rate=args.learning_rate, momentum=args.momentum,
       warmup_steps=args.warmup_steps, density_warmup=args.density_warmup,
-      value_dtype=args.value_dtype, eval_every=args.eval_every or eval_every, seed=args.seed,
+      value_dtype=args.value_dtype, network=args.network,
+      eval_every=args.eval_every or eval_every, seed=args.seed,
   )
 
 

@@ -149,6 +149,13 @@ def test_cli_help_and_bad_arguments(capsys):
     _cli.main(["demo", "--density-warmup", "-1"])
   with pytest.raises(SystemExit):
     _cli.main(["demo", "--value-dtype", "int8"])
+  # The network ExDyna is told: two positive numbers.
+  args = _cli.build_parser().parse_args(["demo", "--network", "1e-3,1.25e8"])
+  assert args.network == (1e-3, 1.25e8)
+  for bad in ("1e-3", "0,1e8", "1e-3,inf", "fast,slow"):
+    with pytest.raises(SystemExit):
+      _cli.main(["demo", "--network", bad])
+    assert "SECONDS,BYTES_PER_SECOND" in capsys.readouterr().err
 
 
 def test_python_dash_m_entry_point():

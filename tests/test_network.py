@@ -126,3 +126,14 @@ def test_gathered_values_give_the_all_reduced_run_and_count_their_bytes(value_dt
 def test_a_network_is_two_positive_numbers(network, error):
   with pytest.raises(error, match=r"[Nn]etwork"):
     exdyna_jax.exdyna(0.01, network=network)
+
+
+def test_the_demo_passes_its_network_to_exdyna_only():
+  """``TrainConfig.network`` (a pair, as JSON carries it to the workers) reaches
+  ExDyna's option; Top-k, which has none, is built as before."""
+  from exdyna_jax.demo import trainer
+
+  pair = [1e-3, 1.25e8]
+  hlo = one_step_program(trainer.sparsifier_for("exdyna", 0.01, network=pair), 4, 40_000)
+  assert [c.kind for c in traffic.collectives(hlo, 4)] == ["all-reduce"] + ["all-gather"] * 3
+  trainer.sparsifier_for("topk", 0.01, network=pair)

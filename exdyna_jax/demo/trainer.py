@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -69,6 +69,9 @@ class TrainConfig:
       ``density``; 0: none).
     value_dtype: the dtype the sparsifier sums the exchanged values in
       (``"float32"``, ``"bfloat16"``, ``"float16"``).
+    network: ``(message_seconds, bytes_per_second)`` of the workers' network,
+      for ExDyna's ``network`` option (`exdyna_jax.Network`); None: not
+      told. Other methods ignore it.
     eval_every: evaluate on held-out data every this many steps.
     seed: seed of the parameters and of the batches (the same for every
       method, so runs differ only in the exchange).
@@ -82,6 +85,7 @@ class TrainConfig:
   warmup_steps: int = 0
   density_warmup: int = 0
   value_dtype: str = "float32"
+  network: tuple[float, float] | None = None
   eval_every: int = 25
   seed: int = 0
 
@@ -94,12 +98,18 @@ def density_of(config: TrainConfig) -> float | dict[int, float]:
 
 
 def sparsifier_for(
-    method: str, density: float | dict[int, float], value_dtype: str = "float32"
+    method: str, density: float | dict[int, float], value_dtype: str = "float32",
+    network: Sequence[float] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  """The registered method ``method`` at ``density`` (``dense`` ignores both)."""
+  """The registered method ``method`` at ``density`` (``dense`` ignores both).
+
+  ``network`` (``(message_seconds, bytes_per_second)``) goes to ExDyna only.
+  """
   if method.lower() == "dense":
     return exdyna_jax.get_sparsifier("dense", axis_name=AXIS)
   options = {} if value_dtype == "float32" else {"value_dtype": value_dtype}
+  if network is not None and method.lower() == "exdyna":
+    options["network"] = exdyna_jax.Network(*map(float, network))
   return exdyna_jax.get_sparsifier(method, density=density, axis_name=AXIS, **options)
 
 
@@ -109,7 +119,7 @@ def optimizer_for(method: str, config: TrainConfig) -> optax.GradientTransformat
   if config.warmup_steps > 0:
     learning_rate = optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
   return optax.chain(
-      sparsifier_for(method, density_of(config), config.value_dtype),
+      sparsifier_for(method, density_of(config), config.value_dtype, config.network),
       # No trace without momentum: its state would cost a step a pass over N (and, on
       # XLA:CPU, copies of the largest leaves when the update is ExDyna's).
       optax.sgd(learning_rate, momentum=config.momentum or None),
