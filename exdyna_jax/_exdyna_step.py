@@ -117,7 +117,7 @@ class StepPlan(NamedTuple):
   spill: _spill.Spill | None
   chunk: int
   unrolled: int
-  gather_values: bool = False
+  gather_values: bool
 
 
 def plan_step(
