@@ -177,6 +177,7 @@ def main() -> None:
     if args.quick:
       steps, command = 20, [*ACCURACY_WORKER, "--variants=dense,exdyna"]
     config = json.dumps({**ACCURACY_CONFIG, "steps": steps})
+    result["time_to_accuracy_config"] = json.loads(config)
     result["time_to_accuracy"] = {
         rate: cluster.run_workers([*command, f"--config={config}"], processes=ACCURACY_WORKERS,
                                   link_rate=rate, timeout=args.timeout)

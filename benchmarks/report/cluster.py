@@ -139,7 +139,13 @@ def cluster_section(rep, cluster: dict[str, Any] | None, table) -> None:
               _hierarchical_table(cluster["hierarchical"], table), ""]
   accuracy = cluster.get("time_to_accuracy")
   if accuracy:
-    parts += ["### Time to accuracy", "", *_accuracy_tables(rep, accuracy, table)]
+    config = cluster.get("time_to_accuracy_config", {})
+    told = (f"ExDyna told the network, `Network{tuple(config['network'])}` "
+            "(`exdyna(network=...)`, the demo's `--network`). " if config.get("network")
+            else "")
+    parts += ["### Time to accuracy", "",
+              f"`python -m benchmarks.cluster --parts accuracy`: {told}Config: `{config}`."
+              if config else "", "", *_accuracy_tables(rep, accuracy, table)]
   rep.add("\n".join(parts))
   _targets(rep, rows_of, accuracy)
 
