@@ -56,9 +56,8 @@ WORKER = [sys.executable, "-m", "benchmarks.cluster_worker"]
 # The demo's worker and settings (`exdyna-jax demo --processes 4 --method exdyna topk`).
 ACCURACY_WORKER = [sys.executable, "-m", cluster.WORKER_MODULE, "--task=digits-wide",
                    "--variants=dense,exdyna,exdyna_warmup,topk"]
-# ExDyna is told the network, as docs/multihost.md advises where messages are dear:
-# gloo over TCP, about 1 ms a message (the calibration's alpha), 1 Gb/s.
-ACCURACY_CONFIG = {"density": 0.01, "eval_every": 10, "network": [1e-3, 1.25e8]}
+# ExDyna is told the network, as docs/multihost.md advises where messages are dear.
+ACCURACY_CONFIG = {"density": 0.01, "eval_every": 10, "network": list(_common.EMULATED_NETWORK)}
 ACCURACY_WORKERS, ACCURACY_RATES = 4, ("1gbit", "unshaped")
 RATES = ("100mbit", "1gbit", "unshaped")
 WORKERS = (2, 4, 8)

@@ -51,8 +51,7 @@ VARIANTS = {
     "exdyna": ("exdyna", {}),
     "exdyna_nospill": ("exdyna", {"spill": False}),
     "exdyna_reference": ("exdyna", {"controller": "reference"}),
-    # Told the network: gloo over TCP, a message about 1 ms (the calibration's alpha).
-    "exdyna_network": ("exdyna", {"network": exdyna_jax.Network(1e-3, 1e9 / 8)}),
+    "exdyna_network": ("exdyna", {"network": exdyna_jax.Network(*_common.EMULATED_NETWORK)}),
     "micro": ("micro", {}),
     "spardl": ("spardl", {}),
     "topk": ("topk", {}),

@@ -120,15 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _network_pair(text: str) -> tuple[float, float]:
-  """``SECONDS,BYTES_PER_SECOND`` -> two positive numbers (argparse's type)."""
+  """``SECONDS,BYTES_PER_SECOND`` -> a checked `exdyna_jax.Network`'s pair (argparse's type)."""
+  from exdyna_jax import _network
+
   try:
-    pair = tuple(float(part) for part in text.split(","))
-  except ValueError:
-    pair = ()
-  if len(pair) != 2 or not all(0 < x < float("inf") for x in pair):
+    network = _network.Network(*(float(part) for part in text.split(",")))
+    return tuple(_network.check_network(network))
+  except (TypeError, ValueError) as error:
     raise argparse.ArgumentTypeError(
-        f"expected two positive numbers SECONDS,BYTES_PER_SECOND (1e-3,1.25e8), got {text!r}")
-  return pair
+        f"expected two positive numbers SECONDS,BYTES_PER_SECOND (1e-3,1.25e8), got {text!r}"
+    ) from error
 
 
 def add_demo_outputs(demo: argparse.ArgumentParser) -> None:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from exdyna_jax import (
+  _collectives,
   _exchange,
   _network,
   _options,
@@ -131,7 +132,7 @@ def plan_step(
     controller: _threshold.ThresholdController,
     spill: bool | None,
     network: _network.Network | None = None,
-    value_bytes: int = 4,
+    value_bytes: int = _collectives.VALUE_BYTES,
 ) -> StepPlan:
   """The `StepPlan` of ``N`` elements on ``n`` workers at ``density``.
 

@@ -115,9 +115,9 @@ def spill_pays(spill: Spill, capacity: int, num_workers: int,
   """
   whole = index_bytes(num_workers, capacity, side_info=0)
   spilled = index_bytes(num_workers, capacity, side_info=0, spill=spill)
-  messages = 2 * math.ceil(math.log2(num_workers))  # never more than a ring's 2 (n - 1)
   saved_seconds = (whole - spilled) / network.bytes_per_second
-  return saved_seconds > messages * network.message_seconds
+  # The extra round's latency (its bytes are in ``spilled``).
+  return saved_seconds > _network.all_reduce_seconds(network, num_workers, 0)
 
 
 def gather_spilled(
