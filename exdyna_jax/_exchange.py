@@ -299,15 +299,41 @@ def exchange(
   gathered_indices, gathered_info = gather_indices(
       indices, side_info, axis_name, spill=spill, num_elements=accumulated.shape[0]
   )
-  reduced = gathered_indices
-  if value_slots is not None:
-    reduced = compact(gathered_indices, value_slots, accumulated.shape[0])
-  sparse = aggregate_at(accumulated, reduced, axis_name, value_dtype, gather=gather_values)
+  sparse = sum_at_gathered(accumulated, gathered_indices, axis_name, value_slots=value_slots,
+                           value_dtype=value_dtype, gather_values=gather_values)
   bytes_sent = exchange_bytes(
       gathered_indices.shape[0], indices.shape[0], side_info.shape[0], value_slots,
       jnp.dtype(value_dtype).itemsize, spill, gather_values,
   )
   return Exchanged(sparse, gathered_indices, gathered_info, bytes_sent)
+
+
+def sum_at_gathered(
+    accumulated: jax.Array,
+    gathered_indices: jax.Array,
+    axis_name: str,
+    *,
+    value_slots: int | None,
+    value_dtype: jnp.dtype,
+    gather_values: bool,
+) -> SparseUpdate:
+  """`exchange`'s second round: the values at the gathered indices, summed.
+
+  Args:
+    accumulated: float32 ``[N]`` this worker's accumulated gradient.
+    gathered_indices: int32 ``[n, C]`` every worker's index buffer, sentinel ``N``.
+    axis_name: the data-parallel axis.
+    value_slots: static number of values summed (`compact`), or None for all ``n C``.
+    value_dtype: the dtype the values are summed in (`aggregate_at`).
+    gather_values: all-gather the values and sum them on each worker.
+
+  Returns:
+    The `SparseUpdate`.
+  """
+  reduced = gathered_indices
+  if value_slots is not None:
+    reduced = compact(gathered_indices, value_slots, accumulated.shape[0])
+  return aggregate_at(accumulated, reduced, axis_name, value_dtype, gather=gather_values)
 
 
 def distinct_count(indices: jax.Array, num_elements: int) -> jax.Array:

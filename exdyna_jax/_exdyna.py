@@ -111,7 +111,11 @@ def exdyna(
       and the values are all-gathered and summed on each worker where
       that beats their all-reduce on it (dear messages, few values: 1 ms
       a message on 4 workers); the same update up to the order of the
-      sum's additions. None (default): values all-reduced.
+      sum's additions. Where one all-gather fewer saves more there than
+      the ``C`` magnitudes it adds, each worker also selects before the
+      threshold is set, and its probe counts ride its index buffer (one
+      round fewer, the same selection; :doc:`/multihost`). None
+      (default): values all-reduced, the published order of rounds.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from exdyna_jax import (
   _collectives,
+  _early_selection,
   _exchange,
   _network,
   _options,
@@ -110,6 +111,8 @@ class StepPlan(NamedTuple):
       (`_selection.over_chunks`).
     gather_values: whether the values are all-gathered and summed on each
       worker instead of all-reduced (`_network.gather_pays`).
+    select_first: whether each worker selects before the threshold is set
+      and its probe counts ride its index buffer (`select_then_threshold`).
   """
 
   geometry: _partition.BlockGeometry
@@ -119,6 +122,7 @@ class StepPlan(NamedTuple):
   chunk: int
   unrolled: int
   gather_values: bool
+  select_first: bool
 
 
 def plan_step(
@@ -154,6 +158,16 @@ def plan_step(
     spill_layout = _spill.choose_spill(
         spill, target, capacity, num_workers, network or _network.NOMINAL)
   chunk = _selection.chunk_length(num_elements, num_workers)
+  # One all-gather of the probe counts with the index buffers, the magnitudes
+  # in them added, against one of each.
+  probe_bytes = (controller.num_probes + 1) * _collectives.INDEX_BYTES
+  index_bytes = (capacity + 1) * _collectives.INDEX_BYTES
+  merged_bytes = probe_bytes + index_bytes + (capacity + 1) * _collectives.INDEX_BYTES
+  select_first = (
+      network is not None and controller.num_probes > 0 and spill_layout is None
+      and _network.all_gather_seconds(network, num_workers, merged_bytes)
+      < _network.all_gather_seconds(network, num_workers, probe_bytes)
+      + _network.all_gather_seconds(network, num_workers, index_bytes))
   return StepPlan(
       geometry=geometry,
       budget=_threshold.Budget(target, capacity, slots),
@@ -163,6 +177,7 @@ def plan_step(
       unrolled=_selection.unrolled_chunks(num_elements, num_workers, chunk),
       gather_values=network is not None and _network.gather_pays(
           network, num_workers, slots * value_bytes),
+      select_first=select_first,
   )
 
 
@@ -190,7 +205,7 @@ def partitioned_step(
   Returns:
     ``(sparse update, new state)``; the shell writes the residual.
   """
-  t, geometry, budget = state.step, plan.geometry, plan.budget
+  t, geometry = state.step, plan.geometry
   estimate = _partition.PartitionEstimate(state.block_workloads, state.worker_scales)
   num_workers = geometry.num_workers
 
@@ -199,26 +214,12 @@ def partitioned_step(
   partition = _partition.owned_partition(t, jax.lax.axis_index(axis_name), num_workers)
   begin, end = _partition.element_range(geometry, _partition.starts_of(sizes), sizes, partition)
 
-  # One global threshold, from every worker's count of its own partition.
-  measure = _threshold.measure_partitions(
-      accumulated, begin, end, chunk=plan.chunk, unrolled=plan.unrolled, axis_name=axis_name)
-  threshold, steady = controller.choose(
-      state.threshold, jnp.sum(state.partition_workloads), budget, state.target_correction, t,
-      measure,
-  )
-
-  # Exclusive selection: the worker's own partition only, read chunk by chunk.
-  selection = _selection.select_in_range(
-      accumulated, threshold, begin, end, capacity=budget.capacity, chunk=plan.chunk,
-      unrolled=plan.unrolled, fallback_offset=t,
-  )
-
-  # Exchange: index buffers with each worker's pass count, values summed.
-  exchanged = _exchange.exchange(
-      accumulated, selection.indices, selection.passed[None], axis_name,
-      value_slots=plan.packed_slots, value_dtype=value_dtype, spill=plan.spill,
-      gather_values=plan.gather_values,
-  )
+  # One global threshold, from every worker's count of its own partition;
+  # exclusive selection in the worker's own partition; the exchange.
+  select = select_then_threshold if plan.select_first else threshold_then_select
+  threshold, steady, exchanged = select(
+      accumulated, state, plan, controller, begin, end, axis_name=axis_name,
+      value_dtype=value_dtype)
   estimate = partitioner.observe(
       estimate, geometry, sizes=sizes, step=t, gathered_indices=exchanged.gathered_indices,
       passed=exchanged.gathered_info[:, 0],
@@ -227,6 +228,90 @@ def partitioned_step(
       state, plan, controller, threshold=threshold, steady=steady, sizes=sizes,
       exchanged=exchanged, estimate=estimate,
   )
+
+
+def threshold_then_select(
+    accumulated: jax.Array, state: ExDynaState, plan: StepPlan,
+    controller: _threshold.ThresholdController, begin: jax.Array, end: jax.Array, *,
+    axis_name: str, value_dtype: Any,
+) -> tuple[jax.Array, jax.Array, _exchange.Exchanged]:
+  """Stages 3-5 in their published order: the threshold, then the selection at it.
+
+  The controller's probe counts (if it has probes) are all-gathered first;
+  then each worker selects in ``accumulated[begin:end]``, chunk by chunk, and
+  the index buffers (each with its pass count) and the values are exchanged.
+
+  Returns:
+    ``(threshold, steady, exchanged)``.
+  """
+  budget = plan.budget
+  measure = _threshold.measure_partitions(
+      accumulated, begin, end, chunk=plan.chunk, unrolled=plan.unrolled, axis_name=axis_name)
+  threshold, steady = controller.choose(
+      state.threshold, jnp.sum(state.partition_workloads), budget, state.target_correction,
+      state.step, measure,
+  )
+  selection = _selection.select_in_range(
+      accumulated, threshold, begin, end, capacity=budget.capacity, chunk=plan.chunk,
+      unrolled=plan.unrolled, fallback_offset=state.step,
+  )
+  exchanged = _exchange.exchange(
+      accumulated, selection.indices, selection.passed[None], axis_name,
+      value_slots=plan.packed_slots, value_dtype=value_dtype, spill=plan.spill,
+      gather_values=plan.gather_values,
+  )
+  return threshold, steady, exchanged
+
+
+def select_then_threshold(
+    accumulated: jax.Array, state: ExDynaState, plan: StepPlan,
+    controller: _threshold.ThresholdController, begin: jax.Array, end: jax.Array, *,
+    axis_name: str, value_dtype: Any,
+) -> tuple[jax.Array, jax.Array, _exchange.Exchanged]:
+  """Stages 3-5 in one round fewer: the probe counts ride the index buffers.
+
+  Each worker selects at its floor before the threshold is set, and one
+  all-gather moves the counts with the buffers (`_early_selection`); every
+  worker then sets the threshold and keeps what passes it, exactly what
+  `threshold_then_select` sends. Where some buffer does not hold all that
+  passes, the step selects and gathers again, as `threshold_then_select`
+  does (a step of the same rounds as it, not counted in ``bytes_sent``).
+  The values follow as there.
+
+  Returns:
+    ``(threshold, steady, exchanged)``.
+  """
+  budget, num_elements = plan.budget, accumulated.shape[0]
+  candidates = _early_selection.gather_candidates(
+      accumulated, state.threshold, begin, end, capacity=budget.capacity, chunk=plan.chunk,
+      unrolled=plan.unrolled, fallback_offset=state.step, axis_name=axis_name)
+  threshold, steady = controller.choose(
+      state.threshold, jnp.sum(state.partition_workloads), budget, state.target_correction,
+      state.step, lambda thresholds: candidates.probe,
+  )
+
+  def kept():
+    indices, passed = _early_selection.keep_passing(candidates, threshold, num_elements)
+    return indices, passed[:, None]
+
+  def selected_again():  # some buffer is short of what passes: the two-round exchange's
+    with jax.named_scope(_early_selection.SELECTED_AGAIN_SCOPE):
+      selection = _selection.select_in_range(
+          accumulated, threshold, begin, end, capacity=budget.capacity, chunk=plan.chunk,
+          unrolled=plan.unrolled, fallback_offset=state.step)
+      return _exchange.gather_indices(selection.indices, selection.passed[None], axis_name)
+
+  indices, info = jax.lax.cond(
+      _early_selection.holds_every_pass(candidates, threshold, budget.capacity),
+      kept, selected_again)
+  sparse = _exchange.sum_at_gathered(
+      accumulated, indices, axis_name, value_slots=plan.packed_slots, value_dtype=value_dtype,
+      gather_values=plan.gather_values)
+  num_workers, side_info = indices.shape[0], budget.capacity + 2  # magnitudes, floor, fallback
+  bytes_sent = _exchange.exchange_bytes(  # the probe counts: `_threshold.control_bytes`
+      num_workers, budget.capacity, side_info, plan.packed_slots,
+      jnp.dtype(value_dtype).itemsize, None, plan.gather_values)
+  return threshold, steady, _exchange.Exchanged(sparse, indices, info, bytes_sent)
 
 
 def next_state(

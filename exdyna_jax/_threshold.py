@@ -127,6 +127,11 @@ Measure = Callable[[jax.Array], ProbeCounts]
 """``thresholds f32[P] -> ProbeCounts`` of this step's accumulated gradients."""
 
 
+def probe_thresholds(previous: jax.Array) -> jax.Array:
+  """float32 ``[P]``: the adaptive controller's probes around the last threshold, ascending."""
+  return previous * jnp.asarray(ADAPTIVE_PROBE_RATIOS, jnp.float32)
+
+
 def measure_partitions(
     accumulated: jax.Array, begin: jax.Array, end: jax.Array, *, chunk: int, unrolled: int,
     axis_name: str,
@@ -233,7 +238,7 @@ def _adaptive_choose(previous, selected, budget, correction, step, measure):
     steps `correct` learns from.
   """
   del selected, step
-  thresholds = previous * jnp.asarray(ADAPTIVE_PROBE_RATIOS, jnp.float32)
+  thresholds = probe_thresholds(previous)
   probe = measure(thresholds)
   num_workers = probe.counts.shape[0]
   sendable = min(num_workers * budget.capacity, budget.slots)

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from exdyna_jax import _cli, _guard
+from exdyna_jax import _cli, _early_selection, _guard
 from exdyna_jax.demo import report, traffic
-from exdyna_jax.demo.hlo import SKIPPED_STEP_SCOPE
+from exdyna_jax.demo.hlo import SELECTED_AGAIN_SCOPE, SKIPPED_STEP_SCOPE
 
 STEPS = 12
 PLOTS = ("loss.png", "density_threshold.png", "partitions.png", "bytes.png")
@@ -126,6 +126,7 @@ ENTRY %main (x: f32[128]) -> f32[128] {
   # A conditional counts once, for its most expensive branch; the guard's count
   # of a skipped step's bad elements (its name scope) is not a step's traffic.
   assert SKIPPED_STEP_SCOPE == _guard.SKIPPED_STEP_SCOPE
+  assert SELECTED_AGAIN_SCOPE == _early_selection.SELECTED_AGAIN_SCOPE
   assert [c.bytes_sent for c in found] == [
       2 * 7 * 516 // 8, 7 * 544 // 8, 320 // 8, 64, 2 * 7 * 72 // 8]
   assert traffic.bytes_per_worker(hlo, 8) == sum(c.bytes_sent for c in found)

@@ -6,7 +6,9 @@ all-gather, all-reduce, reduce-scatter, all-to-all and collective-permute
 with its shapes. Collectives inside a ``conditional`` count once, for the
 most expensive branch (only one branch runs per step); a collective inside a
 ``while`` body is counted once and flagged; the count a skipped step takes
-(`exdyna_jax._guard`, name scope ``skipped_step``) is not a step's.
+(`exdyna_jax._guard`, name scope ``skipped_step``) and ExDyna's gather of a
+step that selects again (`exdyna_jax._early_selection`, ``selected_again``)
+are not a step's.
 
 `ring_cost` converts one op into per-worker traffic and message counts with
 the ring algorithms (``g`` = workers in the op's group, ``M`` = bytes of the
@@ -35,11 +37,14 @@ import math
 import re
 from typing import Any
 
-# The name scope of what the library's guard runs only on a skipped step (its
-# count of the bad elements): not part of a normal step's traffic. Written out,
-# not imported from `exdyna_jax._guard`: the demo uses the public API only
-# (tests/test_demo.py checks the two agree).
+# The name scopes of what the library runs only on a rare step: the guard's
+# count of a skipped step's bad elements, and ExDyna's second gather of the
+# index buffers where they did not hold all that passed (`exdyna(network=...)`).
+# Not part of a normal step's traffic. Written out, not imported from
+# `exdyna_jax._guard` and `exdyna_jax._early_selection`: the demo uses the
+# public API only (tests/test_demo.py checks they agree).
 SKIPPED_STEP_SCOPE = "skipped_step"
+SELECTED_AGAIN_SCOPE = "selected_again"
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {
   "pred": 1,
@@ -167,7 +172,7 @@ def collectives(text: str, num_devices: int) -> list[dict[str, Any]]:
     for line in computations.get(name, []):
       op = _op(line, num_devices)
       if op is not None:
-        if f"/{SKIPPED_STEP_SCOPE}/" not in line:
+        if not any(f"/{scope}/" in line for scope in (SKIPPED_STEP_SCOPE, SELECTED_AGAIN_SCOPE)):
           ops.append({**op, "context": context})
         continue
       branches = BRANCHES.search(line)
