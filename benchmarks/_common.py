@@ -25,9 +25,6 @@ RESNET18 = 11_173_962  # ResNet-18 parameters
 LSTM = 28_900_000  # the seeds' LSTM, ~28.9M parameters
 METHODS = tuple(_registry.SPARSIFIERS)  # every registered method, dense last
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-# The emulated cluster's network as ExDyna is told it (`exdyna_jax.Network`):
-# gloo over TCP, about 1 ms a message (the calibration's alpha), 1 Gb/s.
-EMULATED_NETWORK = (1e-3, 1e9 / 8)
 
 
 def force_devices(count: int) -> None:

@@ -33,8 +33,8 @@ fast_axis="local")`` with the in-process reduction a ``psum`` or a
 
 Time to accuracy (``--parts accuracy``): 4 processes at 1 Gb/s and unshaped
 train the digits with the demo's `exdyna_jax.demo.cluster_worker` (an MLP 64-2048-2048-10,
-4.3M parameters, d = 0.01; ExDyna told the network, ``Network(1e-3,
-1.25e8)``): dense for ``--accuracy-steps`` steps, then each other method
+4.3M parameters, d = 0.01; ExDyna told the network the workers measure,
+``Network.measure``): dense for ``--accuracy-steps`` steps, then each other method
 for as many seconds; the test accuracy against wall-clock seconds, and when
 each first reaches dense's final score.
 """
@@ -56,16 +56,17 @@ WORKER = [sys.executable, "-m", "benchmarks.cluster_worker"]
 # The demo's worker and settings (`exdyna-jax demo --processes 4 --method exdyna topk`).
 ACCURACY_WORKER = [sys.executable, "-m", cluster.WORKER_MODULE, "--task=digits-wide",
                    "--variants=dense,exdyna,exdyna_warmup,topk"]
-# ExDyna is told the network, as docs/multihost.md advises where messages are dear.
-ACCURACY_CONFIG = {"density": 0.01, "eval_every": 10, "network": list(_common.EMULATED_NETWORK)}
+# ExDyna is told the network the workers time first (`exdyna_jax.Network.measure`,
+# the demo's --network measure), as docs/multihost.md advises where messages are dear.
+ACCURACY_CONFIG = {"density": 0.01, "eval_every": 10, "network": "measure"}
 ACCURACY_WORKERS, ACCURACY_RATES = 4, ("1gbit", "unshaped")
 RATES = ("100mbit", "1gbit", "unshaped")
 WORKERS = (2, 4, 8)
 HIERARCHICAL_PROCESSES, HIERARCHICAL_DEVICES = 4, 2
 HIERARCHICAL_RATES = ("1gbit", "unshaped")
 HIERARCHICAL_VARIANTS = ("compute", "dense", "exdyna", "hierarchical_psum", "hierarchical")
-STEP_VARIANTS = ("compute", "dense", "exdyna", "exdyna_nospill", "exdyna_reference", "micro",
-                 "spardl", "topk", "cltk", "hard_threshold")
+STEP_VARIANTS = ("compute", "dense", "exdyna", "exdyna_network", "exdyna_nospill",
+                 "exdyna_reference", "micro", "spardl", "topk", "cltk", "hard_threshold")
 
 
 def fit_link(calibration: list[dict]) -> dict:

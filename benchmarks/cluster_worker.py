@@ -51,7 +51,7 @@ VARIANTS = {
     "exdyna": ("exdyna", {}),
     "exdyna_nospill": ("exdyna", {"spill": False}),
     "exdyna_reference": ("exdyna", {"controller": "reference"}),
-    "exdyna_network": ("exdyna", {"network": exdyna_jax.Network(*_common.EMULATED_NETWORK)}),
+    "exdyna_network": ("exdyna", {"network": "measure"}),  # `Network.measure` on the mesh
     "micro": ("micro", {}),
     "spardl": ("spardl", {}),
     "topk": ("topk", {}),
@@ -64,8 +64,11 @@ NODE, LOCAL = "node", "local"
 FAST_REDUCE = {"hierarchical": "scatter", "hierarchical_psum": "psum"}
 
 
-def make_tx(variant: str, density: float, learning_rate: float):
+def make_tx(variant: str, density: float, learning_rate: float,
+            network: exdyna_jax.Network | None = None):
   method, options = VARIANTS[variant]
+  if options.get("network") == "measure":
+    options = {**options, "network": network}
   sgd = optax.sgd(learning_rate)
   if method is None:
     return sgd
@@ -140,8 +143,8 @@ def collectives_of(train_step, *args) -> list[dict]:
           for op in ops]
 
 
-def time_variant(variant, mesh, params, batch, args) -> dict:
-  tx = make_tx(variant, args.density, args.learning_rate)
+def time_variant(variant, mesh, params, batch, args, network=None) -> dict:
+  tx = make_tx(variant, args.density, args.learning_rate, network)
 
   def per_worker_step(params, opt_state, batch):
     grads = jax.grad(tasks.mlp_loss)(params, batch)
@@ -210,11 +213,16 @@ def main() -> None:
     rows = calibrate(mesh)
     if jax.process_index() == 0:
       print(json.dumps({"calibration": rows}), flush=True)
-  for variant in args.variants.split(","):
-    result = time_variant(variant, mesh, params, batch, args)
+  variants = args.variants.split(",")
+  measured = [v for v in variants if VARIANTS[v][1].get("network") == "measure"]
+  network = exdyna_jax.Network.measure(mesh, AXIS) if measured else None
+  for variant in variants:
+    result = time_variant(variant, mesh, params, batch, args, network)
     if jax.process_index() == 0:
       result.update(processes=jax.process_count(), devices=jax.device_count(),
                     parameters=num_params, density=args.density)
+      if variant in measured:
+        result["network"] = list(network)
       print(json.dumps(result), flush=True)
 
 

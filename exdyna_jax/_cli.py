@@ -119,16 +119,20 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def _network_pair(text: str) -> tuple[float, float]:
-  """``SECONDS,BYTES_PER_SECOND`` -> a checked `exdyna_jax.Network`'s pair (argparse's type)."""
+def _network_pair(text: str) -> tuple[float, float] | str:
+  """``SECONDS,BYTES_PER_SECOND`` -> a checked `exdyna_jax.Network`'s pair, or ``"measure"``
+  (argparse's type)."""
   from exdyna_jax import _network
 
+  if text == "measure":
+    return text
   try:
     network = _network.Network(*(float(part) for part in text.split(",")))
     return tuple(_network.check_network(network))
   except (TypeError, ValueError) as error:
     raise argparse.ArgumentTypeError(
-        f"expected two positive numbers SECONDS,BYTES_PER_SECOND (1e-3,1.25e8), got {text!r}"
+        "expected two positive numbers SECONDS,BYTES_PER_SECOND (1e-3,1.25e8) or 'measure', "
+        f"got {text!r}"
     ) from error
 
 
@@ -152,8 +156,10 @@ def add_demo_outputs(demo: argparse.ArgumentParser) -> None:
   demo.add_argument("--network", type=_network_pair, default=None,
                     metavar="SECONDS,BYTES_PER_SECOND",
                     help="tell ExDyna what a message and a byte cost between workers "
-                    "(exdyna_jax.Network), e.g. 1e-3,1.25e8 for gloo at 1 Gb/s: it then "
-                    "prices its spill and its values' collective on that (default: not told)")
+                    "(exdyna_jax.Network), e.g. 1e-3,1.25e8 for gloo at 1 Gb/s, or 'measure' "
+                    "to time it on the workers first (exdyna_jax.Network.measure): it then "
+                    "prices its spill, its values' collective and its probe round on that "
+                    "(default: not told)")
   demo.add_argument("--run-dir", type=pathlib.Path, default=None,
                     help="output directory (default: runs/<task>-d<density>-<time>)")
   demo.add_argument("--no-progress", action="store_true", help="hide the progress bars")

@@ -150,10 +150,11 @@ def test_cli_help_and_bad_arguments(capsys):
     _cli.main(["demo", "--density-warmup", "-1"])
   with pytest.raises(SystemExit):
     _cli.main(["demo", "--value-dtype", "int8"])
-  # The network ExDyna is told: two positive numbers.
+  # The network ExDyna is told: two positive numbers, or timed by the workers.
   args = _cli.build_parser().parse_args(["demo", "--network", "1e-3,1.25e8"])
   assert args.network == (1e-3, 1.25e8)
-  for bad in ("1e-3", "0,1e8", "1e-3,inf", "fast,slow"):
+  assert _cli.build_parser().parse_args(["demo", "--network", "measure"]).network == "measure"
+  for bad in ("1e-3", "0,1e8", "1e-3,inf", "fast,slow", "measured"):
     with pytest.raises(SystemExit):
       _cli.main(["demo", "--network", bad])
     assert "SECONDS,BYTES_PER_SECOND" in capsys.readouterr().err

@@ -139,3 +139,37 @@ def test_the_demo_passes_its_network_to_exdyna_only():
   hlo = one_step_program(trainer.sparsifier_for("exdyna", 0.01, network=pair), 4, 40_000)
   assert [c.kind for c in traffic.collectives(hlo, 4)] == ["all-reduce"] + ["all-gather"] * 2
   trainer.sparsifier_for("topk", 0.01, network=pair)
+
+
+def test_a_measured_network_is_the_model_through_the_two_timed_gathers(monkeypatch):
+  """``Network.measure`` fits ``t(S) = ceil(log2 n) alpha + (n - 1) S / B`` to an
+  all-gather of 256 B and one of 4 MiB; every process plans with the slowest
+  process's times, so all of them compile the same step."""
+  true = exdyna_jax.Network(message_seconds=2e-3, bytes_per_second=1.2e8)
+  num_workers = 8
+  timed = {size: model_seconds(true, num_workers, size, gather=True)
+           for size in (_network.SMALL_MESSAGE_BYTES, _network.LARGE_MESSAGE_BYTES)}
+  fitted = _network.fit_network(num_workers, *timed.values())
+  np.testing.assert_allclose(fitted, true, rtol=1e-9)
+  # Noise: the large gather no slower than the small one still gives a network.
+  assert all(value > 0 for value in _network.fit_network(4, 1e-3, 1e-3))
+  # Two processes: the other one's gathers took twice as long.
+  monkeypatch.setattr(_network, "_all_gather_seconds",
+                      lambda mesh, axis, size, repeats: timed[size])
+  monkeypatch.setattr(_network.multihost_utils, "process_allgather",
+                      lambda seconds: np.stack([seconds, 2 * seconds]))
+  measured = exdyna_jax.Network.measure(harness.mesh_of(num_workers))
+  np.testing.assert_allclose(
+      measured, _network.fit_network(num_workers, *(2 * t for t in timed.values())), rtol=1e-9)
+
+
+def test_a_network_is_measured_on_the_axis_it_is_asked_for():
+  """On forced CPU devices: the gathers run over the named axis of the mesh,
+  and the result is a `Network` ExDyna takes."""
+  mesh = jax.make_mesh((4, 2), ("node", "local"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  network = exdyna_jax.Network.measure(mesh, "node", repeats=2)
+  assert isinstance(network.message_seconds, float) and network.message_seconds > 0
+  assert _network.check_network(network) is network
+  with pytest.raises(ValueError, match="two or more workers along 'single'"):
+    exdyna_jax.Network.measure(
+        jax.make_mesh((1,), ("single",), axis_types=(jax.sharding.AxisType.Auto,)), "single")

@@ -186,10 +186,17 @@ def _start_cluster_demo(run_dir: Path, *args: str, prefix=()) -> subprocess.Pope
 
 @needs_namespaces
 def test_the_demo_on_shaped_links_times_each_method_to_denses_accuracy(tmp_path):
-  code, out, err, _ = subprocesses.finish(_start_cluster_demo(tmp_path), HARD_TIMEOUT)
+  code, out, err, _ = subprocesses.finish(
+      _start_cluster_demo(tmp_path, "--network=measure"), HARD_TIMEOUT)
   assert code == 0, err[-3000:]
   saved = json.loads((tmp_path / "runs.json").read_text())
   dense, exdyna = saved["runs"]
+  # The workers timed the network once, before training: at most the link's rate
+  # (its token bucket's burst aside), and a message costs something.
+  seconds, bytes_per_second = exdyna["network"]
+  assert dense["network"] == exdyna["network"] and saved["config"]["network"] == "measure"
+  assert 0 < seconds < 0.1 and 1e7 < bytes_per_second < 1.5e9 / 8
+  assert "ExDyna told the network (measured)" in out
   assert (dense["variant"], exdyna["variant"], saved["link_rate"]) == ("dense", "exdyna", "1gbit")
   assert dense["steps"] == 10 and [point[1] for point in dense["curve"]] == [5, 10]
   # ExDyna trains for dense's seconds, so its last evaluation comes at or after them.

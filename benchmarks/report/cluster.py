@@ -8,9 +8,10 @@ from benchmarks.report import plots
 from exdyna_jax.demo import cluster
 
 TARGET_WORKERS, TARGET_RATE = "4", "1gbit"
-ORDER = ("compute", "dense", "exdyna", "exdyna_nospill", "exdyna_reference", "micro", "spardl",
-         "topk", "cltk", "hard_threshold")
-LABELS = {"compute": "compute only", "exdyna_nospill": "exdyna spill=False",
+ORDER = ("compute", "dense", "exdyna", "exdyna_network", "exdyna_nospill", "exdyna_reference",
+         "micro", "spardl", "topk", "cltk", "hard_threshold")
+LABELS = {"compute": "compute only", "exdyna_network": "exdyna network=measured",
+          "exdyna_nospill": "exdyna spill=False",
           "exdyna_reference": "exdyna reference", "hierarchical_psum": "hierarchical, psum",
           "hierarchical": "hierarchical, psum_scatter"}
 
@@ -70,6 +71,20 @@ def _plot_steps(rep, summary: dict) -> str:
   }
   title = f"{TARGET_WORKERS} worker processes, 4.7M-parameter MLP, d = 0.001"
   return rep.save_plot(plots.step_curves(rates, curves, title), "cluster_steps.png")
+
+
+def _told_network(asked, accuracy: dict) -> str:
+  """What the time-to-accuracy section says of the network ExDyna was told."""
+  if not asked:
+    return ""
+  if asked != "measure":
+    return (f"ExDyna told the network, `Network{tuple(asked)}` (`exdyna(network=...)`, the "
+            "demo's `--network`). ")
+  measured = [f"{rate}: {1e3 * run['network'][0]:.2g} ms a message, "
+              f"{run['network'][1]:.3g} B/s" for rate, runs in accuracy.items()
+              for run in runs[:1] if run.get("network")]
+  return ("ExDyna told the network its workers timed first (`Network.measure`, the demo's "
+          f"`--network measure`; {'; '.join(measured)}). ")
 
 
 def _hierarchical_table(runs: dict, table) -> str:
@@ -140,9 +155,7 @@ def cluster_section(rep, cluster: dict[str, Any] | None, table) -> None:
   accuracy = cluster.get("time_to_accuracy")
   if accuracy:
     config = cluster.get("time_to_accuracy_config", {})
-    told = (f"ExDyna told the network, `Network{tuple(config['network'])}` "
-            "(`exdyna(network=...)`, the demo's `--network`). " if config.get("network")
-            else "")
+    told = _told_network(config.get("network"), accuracy)
     parts += ["### Time to accuracy", "",
               f"`python -m benchmarks.cluster --parts accuracy`: {told}Config: `{config}`."
               if config else "", "", *_accuracy_tables(rep, accuracy, table)]
@@ -161,19 +174,22 @@ def _targets(rep, rows_of: dict, accuracy: dict | None) -> None:
   def step(variant, rate=TARGET_RATE):
     return rows_of.get(variant, {}).get(rate, {}).get("step_ms")
 
-  exdyna, compute = step("exdyna"), step("compute")
-  if exdyna and compute:
-    rep.target("cluster: exdyna step / compute-only (n = 4, 1 Gb/s)", "<= 1.8",
-               f"{exdyna / compute:.2f}", exdyna / compute <= 1.8)
-  for other, goal in (("dense", 3.0), ("topk", 2.0)):
-    if exdyna and step(other):
-      ratio = step(other) / exdyna
-      rep.target(f"cluster: {other} step / exdyna (n = 4, 1 Gb/s)", f">= {goal:g}",
-                 f"{ratio:.2f}", ratio >= goal)
-  if step("exdyna", "unshaped") and step("dense", "unshaped"):
-    ratio = step("dense", "unshaped") / step("exdyna", "unshaped")
-    rep.target("cluster: dense step / exdyna (n = 4, unshaped)", ">= 2", f"{ratio:.2f}",
-               ratio >= 2)
+  compute = step("compute")
+  # ExDyna as it comes, and told the network its workers measured.
+  for variant in ("exdyna", "exdyna_network"):
+    exdyna = step(variant)
+    if exdyna and compute:
+      rep.target(f"cluster: {variant} step / compute-only (n = 4, 1 Gb/s)", "<= 1.8",
+                 f"{exdyna / compute:.2f}", exdyna / compute <= 1.8)
+    for other, goal in (("dense", 3.0), ("topk", 2.0)):
+      if exdyna and step(other):
+        ratio = step(other) / exdyna
+        rep.target(f"cluster: {other} step / {variant} (n = 4, 1 Gb/s)", f">= {goal:g}",
+                   f"{ratio:.2f}", ratio >= goal)
+    if step(variant, "unshaped") and step("dense", "unshaped"):
+      ratio = step("dense", "unshaped") / step(variant, "unshaped")
+      rep.target(f"cluster: dense step / {variant} (n = 4, unshaped)", ">= 2", f"{ratio:.2f}",
+                 ratio >= 2)
   errors = [abs(by[TARGET_RATE]["model_exchange_ms"] / by[TARGET_RATE]["exchange_ms"] - 1)
             for variant, by in rows_of.items()
             if TARGET_RATE in by and by[TARGET_RATE]["exchange_ms"] > 5 and variant != "compute"]

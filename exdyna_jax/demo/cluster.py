@@ -127,6 +127,16 @@ def summary_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
   return rows
 
 
+def told_network(asked, used) -> str:
+  """The header's note of the network ExDyna was told (``used``: what the workers measured)."""
+  if asked is None:
+    return ""
+  seconds, bytes_per_second = used
+  how = "measured" if asked == "measure" else "given"
+  return (f";\nExDyna told the network ({how}): {1e3 * seconds:.2g} ms a message, "
+          f"{8 * bytes_per_second / 1e9:.2g} Gb/s")
+
+
 def plot_curves(runs: Sequence[dict[str, Any]], path: pathlib.Path, title: str) -> pathlib.Path:
   """Test accuracy against wall-clock seconds, one line per variant; dense's score dotted."""
   import matplotlib
@@ -215,7 +225,7 @@ def run_cluster_demo(
   runs = run_workers(command, processes=processes, link_rate=link_rate, timeout=timeout)
   header = (f"{task}: {runs[0]['num_elements']:,} parameters, {processes} processes, links "
             f"{link_rate}, density {config.density:g};\n{config.steps} steps of dense, the others "
-            "as many seconds")
+            f"as many seconds{told_network(config.network, runs[0].get('network'))}")
   legend = ("s to dense's = wall-clock seconds to dense's final test accuracy; density = "
             "indices sent / N (at each evaluation); bytes per worker.")
   table = "\n".join([header, report.format_rows(summary_rows(runs)), *textwrap.wrap(legend, 100)])

@@ -34,7 +34,14 @@ from jax.experimental import multihost_utils
 import exdyna_jax
 from exdyna_jax import launch
 from exdyna_jax.demo import tasks
-from exdyna_jax.demo.trainer import AXIS, Task, TrainConfig, make_mesh, optimizer_for
+from exdyna_jax.demo.trainer import (
+  AXIS,
+  Task,
+  TrainConfig,
+  make_mesh,
+  optimizer_for,
+  with_measured_network,
+)
 
 DEFAULT_DENSITY_WARMUP = 25
 
@@ -127,13 +134,14 @@ def main(argv: list[str] | None = None) -> None:
   if variants[0] != "dense":
     raise SystemExit("dense comes first: its time is every other variant's budget")
   task, mesh = tasks.TASKS[args.task](), make_mesh(jax.device_count())
+  config = with_measured_network(config, mesh)
   budget = None
   for variant in variants:
     result = train_timed(variant, task, config, mesh, budget=budget)
     budget = result["seconds"] if budget is None else budget
     if jax.process_index() == 0:
       print(json.dumps({**result, "processes": jax.process_count(),
-                        "density": config.density}), flush=True)
+                        "density": config.density, "network": config.network}), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,13 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple, TextIO
 
 from exdyna_jax.demo import report, tasks
-from exdyna_jax.demo.trainer import MethodRun, TrainConfig, make_mesh, train_method
+from exdyna_jax.demo.trainer import (
+  MethodRun,
+  TrainConfig,
+  make_mesh,
+  train_method,
+  with_measured_network,
+)
 
 DEFAULT_RUNS_ROOT = pathlib.Path("runs")
 
@@ -93,11 +99,12 @@ def run_demo(
   ordered = list(dict.fromkeys(ordered))
   run_dir = pathlib.Path(run_dir) if run_dir is not None else default_run_dir(task, config)
   run_dir.mkdir(parents=True, exist_ok=True)
+  mesh = make_mesh(workers)
+  config = with_measured_network(config, mesh)
   (run_dir / "config.json").write_text(json.dumps(
       {"task": task, "methods": ordered, "workers": workers, **dataclasses.asdict(config)},
       indent=2))
 
-  mesh = make_mesh(workers)
   the_task = tasks.TASKS[task]()
   runs = []
   for method in ordered:

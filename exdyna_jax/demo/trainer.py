@@ -70,8 +70,9 @@ class TrainConfig:
     value_dtype: the dtype the sparsifier sums the exchanged values in
       (``"float32"``, ``"bfloat16"``, ``"float16"``).
     network: ``(message_seconds, bytes_per_second)`` of the workers' network,
-      for ExDyna's ``network`` option (`exdyna_jax.Network`); None: not
-      told. Other methods ignore it.
+      for ExDyna's ``network`` option (`exdyna_jax.Network`), or
+      ``"measure"``: timed on the mesh before training
+      (`with_measured_network`); None: not told. Other methods ignore it.
     eval_every: evaluate on held-out data every this many steps.
     seed: seed of the parameters and of the batches (the same for every
       method, so runs differ only in the exchange).
@@ -85,9 +86,21 @@ class TrainConfig:
   warmup_steps: int = 0
   density_warmup: int = 0
   value_dtype: str = "float32"
-  network: tuple[float, float] | None = None
+  network: tuple[float, float] | str | None = None
   eval_every: int = 25
   seed: int = 0
+
+
+def with_measured_network(config: TrainConfig, mesh: jax.sharding.Mesh) -> TrainConfig:
+  """``config`` with ``network="measure"`` replaced by `exdyna_jax.Network.measure` on ``mesh``.
+
+  Every process must call it (it runs collectives); they all get the same
+  figures.
+  """
+  if config.network != "measure":
+    return config
+  measured = exdyna_jax.Network.measure(mesh, AXIS)
+  return dataclasses.replace(config, network=(measured.message_seconds, measured.bytes_per_second))
 
 
 def density_of(config: TrainConfig) -> float | dict[int, float]:
