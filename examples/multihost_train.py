@@ -10,7 +10,8 @@ docs/multihost.md) and run ``python examples/multihost_train.py``.
 
 The mesh is ``("node", "local")`` = (processes, devices per process): the
 gradient is averaged densely over each host's devices and sparsified with
-ExDyna across hosts only.
+ExDyna across hosts only, told the network measured between them
+(`exdyna_jax.Network.measure`).
 """
 
 from exdyna_jax import launch
@@ -34,8 +35,12 @@ def main():
   mesh = jax.sharding.Mesh(devices, ("node", "local"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   workers = P(("node", "local"))  # batch and per-device state: over all devices
 
+  # What a message and a byte cost between the hosts, timed on every process
+  # (all get the same figures): ExDyna prices its exchange's choices on it.
+  network = exdyna_jax.Network.measure(mesh, "node")
   tx = optax.chain(
-      exdyna_jax.hierarchical(exdyna_jax.exdyna(0.02, axis_name="node", num_blocks=64)),
+      exdyna_jax.hierarchical(
+          exdyna_jax.exdyna(0.02, axis_name="node", num_blocks=64, network=network)),
       optax.sgd(0.05, momentum=0.9),
   )
   params = {"w": jnp.zeros((FEATURES, OUTPUTS)), "b": jnp.zeros((OUTPUTS,))}

@@ -27,9 +27,24 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from exdyna_jax import _collectives, _exchange, _selection, _threshold
+from exdyna_jax import _collectives, _exchange, _network, _selection, _threshold
 
 SELECTED_AGAIN_SCOPE = "selected_again"  # names, in the HLO, what only a second selection runs
+
+
+def pays(network: _network.Network, num_workers: int, capacity: int, num_probes: int) -> bool:
+  """Whether one all-gather of the counts and the buffers beats one of each on ``network``.
+
+  The merged one carries, besides the ``P + 1`` control words and the ``C``
+  indices, the ``C`` magnitudes and the floor and fallback words instead of
+  the pass count: ``C + 1`` words more, one all-gather's messages fewer.
+  """
+  words = _collectives.INDEX_BYTES
+  control, buffers = (num_probes + 1) * words, (capacity + 1) * words
+  separate = (_network.all_gather_seconds(network, num_workers, control)
+              + _network.all_gather_seconds(network, num_workers, buffers))
+  merged = _network.all_gather_seconds(network, num_workers, control + 2 * buffers)
+  return merged < separate
 
 
 class Candidates(NamedTuple):

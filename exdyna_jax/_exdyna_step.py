@@ -144,8 +144,9 @@ def plan_step(
   density (a controller with probes) lets the gathered indices be packed
   into about ``k`` value slots and the buffers' tails spill into shared
   slots (`_spill.choose_spill`). On a ``network`` the user describes, the
-  spill is priced on it, and the values (``value_bytes`` each) are
-  all-gathered where that is faster than their all-reduce there.
+  spill is priced on it, the values (``value_bytes`` each) are
+  all-gathered where that is faster than their all-reduce there, and the
+  probe counts ride the index buffers where that is (`_early_selection.pays`).
   """
   geometry = partitioner.geometry(num_elements, num_workers, num_blocks)
   target = _options.target_count(density, num_elements)
@@ -158,16 +159,6 @@ def plan_step(
     spill_layout = _spill.choose_spill(
         spill, target, capacity, num_workers, network or _network.NOMINAL)
   chunk = _selection.chunk_length(num_elements, num_workers)
-  # One all-gather of the probe counts with the index buffers, the magnitudes
-  # in them added, against one of each.
-  probe_bytes = (controller.num_probes + 1) * _collectives.INDEX_BYTES
-  index_bytes = (capacity + 1) * _collectives.INDEX_BYTES
-  merged_bytes = probe_bytes + index_bytes + (capacity + 1) * _collectives.INDEX_BYTES
-  select_first = (
-      network is not None and controller.num_probes > 0 and spill_layout is None
-      and _network.all_gather_seconds(network, num_workers, merged_bytes)
-      < _network.all_gather_seconds(network, num_workers, probe_bytes)
-      + _network.all_gather_seconds(network, num_workers, index_bytes))
   return StepPlan(
       geometry=geometry,
       budget=_threshold.Budget(target, capacity, slots),
@@ -177,7 +168,9 @@ def plan_step(
       unrolled=_selection.unrolled_chunks(num_elements, num_workers, chunk),
       gather_values=network is not None and _network.gather_pays(
           network, num_workers, slots * value_bytes),
-      select_first=select_first,
+      select_first=(network is not None and controller.num_probes > 0 and spill_layout is None
+                    and _early_selection.pays(
+                        network, num_workers, capacity, controller.num_probes)),
   )
 
 
