@@ -53,6 +53,25 @@ def model_keep(accumulated, buffer, threshold, fallback, num_elements, capacity)
   return row, len(kept)
 
 
+MODEL_CASE = {"num_elements": 4096, "capacity": 40, "step": 5, "previous": 6.0}
+
+
+@functools.cache
+def early_step():
+  """The workers' `_early_selection` steps at one threshold, under ``vmap``, compiled once."""
+  case = MODEL_CASE
+
+  def per_worker(accumulated, begin, end, threshold):
+    candidates = _early_selection.gather_candidates(
+        accumulated, jnp.float32(case["previous"]), begin, end, capacity=case["capacity"],
+        chunk=1024, unrolled=0, fallback_offset=jnp.int32(case["step"]), axis_name=harness.AXIS)
+    indices, passed = _early_selection.keep_passing(candidates, threshold, case["num_elements"])
+    decided = _early_selection.holds_every_pass(candidates, threshold, case["capacity"])
+    return candidates, indices, passed, decided
+
+  return jax.jit(jax.vmap(per_worker, in_axes=(0, 0, 0, None), axis_name=harness.AXIS))
+
+
 @pytest.mark.parametrize(("scale", "threshold_octaves", "holds"), [
     (3.0, 0.7, True),  # above every floor
     (3.0, 3.0, True),  # above every probe: the few largest
@@ -64,25 +83,18 @@ def test_the_gathered_buffers_and_what_passes_follow_the_numpy_model(
     scale, threshold_octaves, holds):
   """4 workers, uneven partitions; worker 2's gradient is ``scale`` times
   larger, so its floor lies above the others' (or no probe fits it)."""
-  num_workers, num_elements, capacity, step = 4, 4096, 40, 5
+  num_workers = 4
+  num_elements, capacity, step = (MODEL_CASE[key] for key in ("num_elements", "capacity", "step"))
   rng = np.random.default_rng(0)
   accumulated = rng.standard_t(3.0, (num_workers, num_elements)).astype(np.float32)
   accumulated[2] *= scale
   cuts = np.array([0, 300, 2500, 3100, num_elements])
   begins, ends = cuts[:-1], cuts[1:]
-  previous = np.float32(6.0)
+  previous = np.float32(MODEL_CASE["previous"])
   threshold = np.float32(previous * 2.0**threshold_octaves)
-
-  def per_worker(accumulated, begin, end):
-    candidates = _early_selection.gather_candidates(
-        accumulated, jnp.float32(previous), begin, end, capacity=capacity, chunk=1024,
-        unrolled=0, fallback_offset=jnp.int32(step), axis_name=harness.AXIS)
-    indices, passed = _early_selection.keep_passing(candidates, threshold, num_elements)
-    decided = _early_selection.holds_every_pass(candidates, threshold, capacity)
-    return candidates, indices, passed, decided
-
-  candidates, indices, passed, decided = jax.vmap(per_worker, axis_name=harness.AXIS)(
-      jnp.asarray(accumulated), jnp.asarray(begins, jnp.int32), jnp.asarray(ends, jnp.int32))
+  candidates, indices, passed, decided = early_step()(
+      jnp.asarray(accumulated), jnp.asarray(begins, jnp.int32), jnp.asarray(ends, jnp.int32),
+      jnp.float32(threshold))
   # Every worker holds the same gathered result: compare worker 0's.
   expected_holds = True
   for w in range(num_workers):
