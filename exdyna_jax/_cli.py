@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def _network_pair(text: str) -> tuple[float, float] | str:
+def _network_option(text: str) -> tuple[float, float] | str:
   """``SECONDS,BYTES_PER_SECOND`` -> a checked `exdyna_jax.Network`'s pair, or ``"measure"``
   (argparse's type)."""
   from exdyna_jax import _network
@@ -153,7 +153,7 @@ def add_demo_outputs(demo: argparse.ArgumentParser) -> None:
                        help="each process's link, both ways, in tc's notation: 1gbit, "
                        "100mbit, unshaped, or one rate per process, comma-separated "
                        "(default: 1gbit)")
-  demo.add_argument("--network", type=_network_pair, default=None,
+  demo.add_argument("--network", type=_network_option, default=None,
                     metavar="SECONDS,BYTES_PER_SECOND",
                     help="tell ExDyna what a message and a byte cost between workers "
                     "(exdyna_jax.Network), e.g. 1e-3,1.25e8 for gloo at 1 Gb/s, or 'measure' "

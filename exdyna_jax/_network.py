@@ -85,7 +85,7 @@ class Network(NamedTuple):
     seconds = [_all_gather_seconds(mesh, axis_name, size, repeats)
                for size in (SMALL_MESSAGE_BYTES, LARGE_MESSAGE_BYTES)]
     slowest = np.max(multihost_utils.process_allgather(np.asarray(seconds)), axis=0)
-    return fit_network(num_workers, *slowest)
+    return cls(*fit_network(num_workers, *slowest))
 
 
 SMALL_MESSAGE_BYTES = 256  # what `Network.measure` times: one all-gather of each, a worker

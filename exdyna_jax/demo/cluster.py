@@ -127,7 +127,7 @@ def summary_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
   return rows
 
 
-def told_network(asked, used) -> str:
+def told_network(asked: Sequence[float] | str | None, used: Sequence[float] | None) -> str:
   """The header's note of the network ExDyna was told (``used``: what the workers measured)."""
   if asked is None:
     return ""
