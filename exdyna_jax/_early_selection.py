@@ -30,20 +30,25 @@ import jax.numpy as jnp
 from exdyna_jax import _collectives, _exchange, _network, _selection, _threshold
 
 SELECTED_AGAIN_SCOPE = "selected_again"  # names, in the HLO, what only a second selection runs
+# Each worker's buffer carries, besides its C indices and C magnitudes, its
+# floor and its fallback index (then its `_threshold.probe_row`).
+SIDE_WORDS = 2
 
 
 def pays(network: _network.Network, num_workers: int, capacity: int, num_probes: int) -> bool:
   """Whether one all-gather of the counts and the buffers beats one of each on ``network``.
 
   The merged one carries, besides the ``P + 1`` control words and the ``C``
-  indices, the ``C`` magnitudes and the floor and fallback words instead of
-  the pass count: ``C + 1`` words more, one all-gather's messages fewer.
+  indices, the ``C`` magnitudes and `SIDE_WORDS` (the floor and the fallback
+  index) instead of the pass count: ``C + 1`` words more, one all-gather's
+  messages fewer.
   """
   words = _collectives.INDEX_BYTES
   control, buffers = (num_probes + 1) * words, (capacity + 1) * words
   separate = (_network.all_gather_seconds(network, num_workers, control)
               + _network.all_gather_seconds(network, num_workers, buffers))
-  merged = _network.all_gather_seconds(network, num_workers, control + 2 * buffers)
+  merged = _network.all_gather_seconds(
+      network, num_workers, control + (2 * capacity + SIDE_WORDS) * words)
   return merged < separate
 
 
@@ -53,7 +58,6 @@ class Candidates(NamedTuple):
   Attributes:
     probe: the `_threshold.ProbeCounts` the controller sets the threshold
       from.
-    thresholds: float32 ``[P]`` the probe thresholds, ascending.
     indices: int32 ``[n, C]`` each worker's buffer: its partition's lowest
       ``C`` indices with ``|a|`` at or above its floor, sentinel ``N``.
     magnitudes: float32 ``[n, C]`` ``|a|`` at those indices on their worker
@@ -64,7 +68,6 @@ class Candidates(NamedTuple):
   """
 
   probe: _threshold.ProbeCounts
-  thresholds: jax.Array
   indices: jax.Array
   magnitudes: jax.Array
   floors: jax.Array
@@ -107,12 +110,10 @@ def gather_candidates(
   fallback = begin + fallback_offset % (end - begin)
   side_info = jnp.concatenate([
       _collectives.float_bits(magnitudes), _collectives.float_bits(floor)[None], fallback[None],
-      _collectives.float_bits(largest)[None], counts])
+      _threshold.probe_row(counts, largest)])
   indices, info = _exchange.gather_indices(selection.indices, side_info, axis_name)
   return Candidates(
-      probe=_threshold.ProbeCounts(
-          info[:, capacity + 3:], _collectives.bits_float(jnp.max(info[:, capacity + 2]))),
-      thresholds=thresholds,
+      probe=_threshold.gathered_probe(info[:, capacity + SIDE_WORDS:]),
       indices=indices,
       magnitudes=_collectives.bits_float(info[:, :capacity]),
       floors=_collectives.bits_float(info[:, capacity]),

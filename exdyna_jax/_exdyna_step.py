@@ -300,9 +300,11 @@ def select_then_threshold(
   sparse = _exchange.sum_at_gathered(
       accumulated, indices, axis_name, value_slots=plan.packed_slots, value_dtype=value_dtype,
       gather_values=plan.gather_values)
-  num_workers, side_info = indices.shape[0], budget.capacity + 2  # magnitudes, floor, fallback
-  bytes_sent = _exchange.exchange_bytes(  # the probe counts: `_threshold.control_bytes`
-      num_workers, budget.capacity, side_info, plan.packed_slots,
+  # The magnitudes, floor and fallback ride the buffers; the probe counts
+  # (`_threshold.control_bytes`) are added with every controller's.
+  side_info = budget.capacity + _early_selection.SIDE_WORDS
+  bytes_sent = _exchange.exchange_bytes(
+      indices.shape[0], budget.capacity, side_info, plan.packed_slots,
       jnp.dtype(value_dtype).itemsize, None, plan.gather_values)
   return threshold, steady, _exchange.Exchanged(sparse, indices, info, bytes_sent)
 

@@ -157,11 +157,19 @@ def measure_partitions(
   def measure(thresholds: jax.Array) -> ProbeCounts:
     counts, largest = _selection.count_in_range(
         accumulated, begin, end, thresholds, chunk=chunk, unrolled=unrolled)
-    largest_bits = _collectives.float_bits(largest)[None]
-    gathered = _collectives.all_gather(jnp.concatenate([counts, largest_bits]), axis_name)
-    return ProbeCounts(gathered[:, :-1], _collectives.bits_float(jnp.max(gathered[:, -1])))
+    return gathered_probe(_collectives.all_gather(probe_row(counts, largest), axis_name))
 
   return measure
+
+
+def probe_row(counts: jax.Array, largest: jax.Array) -> jax.Array:
+  """int32 ``[P + 1]``: a worker's probe counts and its largest ``|a|`` (bits), to gather."""
+  return jnp.concatenate([counts, _collectives.float_bits(largest)[None]])
+
+
+def gathered_probe(rows: jax.Array) -> ProbeCounts:
+  """The `ProbeCounts` of every worker's `probe_row`, all-gathered as ``[n, P + 1]``."""
+  return ProbeCounts(rows[:, :-1], _collectives.bits_float(jnp.max(rows[:, -1])))
 
 
 class ThresholdController(NamedTuple):

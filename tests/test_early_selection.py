@@ -112,7 +112,7 @@ def test_the_gathered_buffers_and_what_passes_follow_the_numpy_model(
     np.testing.assert_array_equal(indices[0, w], row)
     assert passed[0, w] == count
     expected_holds &= bool(counts[-1] <= capacity and threshold >= floor)
-  np.testing.assert_array_equal(candidates.thresholds[0], thresholds)
+  np.testing.assert_array_equal(_threshold.probe_thresholds(previous), thresholds)
   assert candidates.probe.largest[0] == max(
       np.abs(accumulated[w, begins[w]:ends[w]]).max() for w in range(num_workers))
   assert bool(decided[0]) == expected_holds == holds
