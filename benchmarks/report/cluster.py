@@ -74,17 +74,10 @@ def _plot_steps(rep, summary: dict) -> str:
 
 
 def _told_network(asked, accuracy: dict) -> str:
-  """What the time-to-accuracy section says of the network ExDyna was told."""
-  if not asked:
-    return ""
-  if asked != "measure":
-    return (f"ExDyna told the network, `Network{tuple(asked)}` (`exdyna(network=...)`, the "
-            "demo's `--network`). ")
-  measured = [f"{rate}: {1e3 * run['network'][0]:.2g} ms a message, "
-              f"{run['network'][1]:.3g} B/s" for rate, runs in accuracy.items()
-              for run in runs[:1] if run.get("network")]
-  return ("ExDyna told the network its workers timed first (`Network.measure`, the demo's "
-          f"`--network measure`; {'; '.join(measured)}). ")
+  """What the time-to-accuracy section says of the network ExDyna was told (the demo's words)."""
+  told = [f"{rate}: {cluster.told_network(asked, runs[0].get('network'))}"
+          for rate, runs in accuracy.items() if asked and runs]
+  return f"{'; '.join(told)} (`exdyna(network=...)`, the demo's `--network`). " if told else ""
 
 
 def _hierarchical_table(runs: dict, table) -> str:

@@ -128,12 +128,18 @@ def summary_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
 
 
 def told_network(asked: Sequence[float] | str | None, used: Sequence[float] | None) -> str:
-  """The header's note of the network ExDyna was told (``used``: what the workers measured)."""
+  """What ExDyna was told of the network, in words ("" if nothing).
+
+  Args:
+    asked: `TrainConfig.network`: a pair, ``"measure"`` or None.
+    used: the pair the workers built ExDyna with (what they measured), or
+      None where a run did not record it (then ``asked``).
+  """
   if asked is None:
     return ""
-  seconds, bytes_per_second = used
+  seconds, bytes_per_second = asked if used is None else used
   how = "measured" if asked == "measure" else "given"
-  return (f";\nExDyna told the network ({how}): {1e3 * seconds:.2g} ms a message, "
+  return (f"ExDyna told the network ({how}): {1e3 * seconds:.2g} ms a message, "
           f"{8 * bytes_per_second / 1e9:.2g} Gb/s")
 
 
@@ -225,7 +231,9 @@ def run_cluster_demo(
   runs = run_workers(command, processes=processes, link_rate=link_rate, timeout=timeout)
   header = (f"{task}: {runs[0]['num_elements']:,} parameters, {processes} processes, links "
             f"{link_rate}, density {config.density:g};\n{config.steps} steps of dense, the others "
-            f"as many seconds{told_network(config.network, runs[0].get('network'))}")
+            "as many seconds")
+  told = told_network(config.network, runs[0].get("network"))
+  header += f";\n{told}" if told else ""
   legend = ("s to dense's = wall-clock seconds to dense's final test accuracy; density = "
             "indices sent / N (at each evaluation); bytes per worker.")
   table = "\n".join([header, report.format_rows(summary_rows(runs)), *textwrap.wrap(legend, 100)])
