@@ -1,30 +1,39 @@
-"""XLA:CPU's slow fused concatenation of a gradient tree, shown without the library.
+"""XLA:CPU's slow fused concatenation of a gradient tree, and the library's way round it.
 
 Run (4 CPU devices in one process; prefix ``taskset -c 0`` for one core)::
 
   python -m benchmarks.xla_cpu_concat [--repeats 30]
 
-Why forming ``a = g + m`` is the largest part of ExDyna's own work on the
-emulated cluster (`benchmarks/results/NOTES.md`, 'Where ExDyna's own work
-goes on XLA:CPU'). Each variant is the error-feedback shell's accumulation,
+Why the error-feedback shell forms ``a = g + m`` leaf by leaf on CPU
+(`exdyna_jax._feedback.accumulate`; `benchmarks/results/NOTES.md`, 'Where
+ExDyna's own work goes on XLA:CPU'). Each variant is that accumulation,
 ``where(skip, m, flatten(g) + m)``, written into the donated ``[1, N]``
-residual on every device, for a gradient tree shaped like the cluster
-benchmark's MLP (256-2048-2048-10, 6 leaves, N = 4.7M). The median ms of
-each:
+residual on every device. The median ms of each, for a gradient tree shaped
+like the cluster benchmark's MLP (256-2048-2048-10, 6 leaves, N = 4.7M):
 
-* ``layout_order``: the leaves concatenated in their tree order, as the
-  library does (the 4M weight is the fourth operand);
-* ``big_leaf_first``: the same leaves with the 4M weight first;
+* ``layout_order``: the leaves concatenated in their tree order, one fusion
+  (what the library runs on GPUs; the 4M weight is the fourth operand);
+* ``leaf_by_leaf``: each leaf added into its slice of the residual in place
+  (what the library runs on CPU: `exdyna_jax._feedback._leaf_by_leaf_sum`);
+* ``static_starts``: the same adds at starts XLA can fold to constants
+  (``m.at[0, start:end].add``), which makes it copy the whole residual for
+  the leaf at start 0;
+* ``big_leaf_first``: the concatenation with the 4M weight first;
 * ``two_leaves``: the two weights only; ``one_leaf``: one leaf of ``N``;
 * ``rows``: ``[1, size]`` rows concatenated along their minor axis, which
   XLA:CPU leaves unfused (a copy, then the add);
-* ``plain_pass``: ``m * 0.5 + 1``, a pass over the residual alone.
+* ``plain_pass``: ``m * 0.5 + 1``, a pass over the residual alone;
 
-On the 2 cores XLA:CPU splits each device's fusion over two threads, and
-split, the fused ``concatenate`` runs about 3x slower than on one thread,
-the more so the later the operand an element falls in; under ``taskset -c
-0`` the layout order costs what one leaf does (2026-11-26: 11.8 against 3.0
-ms on two cores, 3.8 against 3.8 ms on one; NOTES).
+and ``layout_order`` and ``leaf_by_leaf`` again for a transformer-shaped
+tree of 122 leaves (N = 54M, `transformer_leaf_shapes`).
+
+In the fused concatenation each element walks the list of operands, and
+XLA:CPU splits the fusion over its intra-op threads, which makes it slower
+still. On the 2 cores, 2026-11-26: the MLP 11.7 ms fused against 3.9 leaf by
+leaf (one leaf of N: 3.9; static starts 6.1), the transformer 237 against
+44; under ``taskset -c 0`` the MLP 4.5 against 4.7 (unsplit, a few-leaf
+concatenation runs at one leaf's rate) and the transformer 417 against 53
+(NOTES).
 """
 
 from __future__ import annotations
@@ -49,9 +58,18 @@ def mlp_leaf_shapes() -> list[tuple[int, ...]]:
   return [leaf.shape for leaf in jax.tree.leaves(tree)]
 
 
+def transformer_leaf_shapes() -> list[tuple[int, ...]]:
+  """A 12-layer transformer's leaves (width 512, MLP 2048, 32k vocabulary): 122, N = 54M."""
+  layer = [(512,), (512,), (512, 512), (512, 512), (512, 512), (512, 512), (512, 2048),
+           (2048,), (2048, 512), (512,)]
+  return [(32000, 512), *layer * 12, (512,)]
+
+
 def variants():
   """``{name: (leaf shapes, accumulate(m [1, N], leaves, skip) -> [1, N])}``."""
   import jax.numpy as jnp
+
+  from exdyna_jax import _feedback
 
   def flat_row(leaves):
     return jnp.concatenate([leaf.reshape(-1) for leaf in leaves])[None]
@@ -59,20 +77,34 @@ def variants():
   def accumulate(m, leaves, skip):
     return jnp.where(skip > 0, m, flat_row(leaves) + m)
 
+  def leaf_by_leaf(m, leaves, skip):
+    return _feedback._leaf_by_leaf_sum(leaves, m, skip > 0)
+
+  def static_starts(m, leaves, skip):
+    offset = 0
+    for leaf in leaves:
+      m = m.at[0, offset:offset + leaf.size].add(jnp.where(skip > 0, 0.0, leaf.reshape(-1)))
+      offset += leaf.size
+    return m
+
   def rows(m, leaves, skip):
     row = jnp.concatenate([leaf.reshape(1, -1) for leaf in leaves], axis=1)
     return jnp.where(skip > 0, m, row + m)
 
-  shapes = mlp_leaf_shapes()
+  shapes, transformer = mlp_leaf_shapes(), transformer_leaf_shapes()
   big = max(shapes, key=math.prod)
   num_elements = sum(map(math.prod, shapes))
   return {
       "layout_order": (shapes, accumulate),
+      "leaf_by_leaf": (shapes, leaf_by_leaf),
+      "static_starts": (shapes, static_starts),
       "big_leaf_first": ([big] + [s for s in shapes if s != big], accumulate),
       "two_leaves": ([s for s in shapes if len(s) == 2 and s[1] == 2048], accumulate),
       "one_leaf": ([(num_elements,)], accumulate),
       "rows": (shapes, rows),
       "plain_pass": (shapes, lambda m, leaves, skip: m * 0.5 + 1.0),
+      "transformer_layout_order": (transformer, accumulate),
+      "transformer_leaf_by_leaf": (transformer, leaf_by_leaf),
   }
 
 
@@ -112,7 +144,7 @@ def main(argv=None) -> dict[str, float]:
   result = {}
   for name, (shapes, accumulate) in variants().items():
     result[name] = median_ms(shapes, accumulate, args.repeats)
-    print(f"{name:16s} {result[name]:7.2f} ms", flush=True)
+    print(f"{name:26s} {result[name]:7.2f} ms", flush=True)
   return result
 
 

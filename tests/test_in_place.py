@@ -12,14 +12,17 @@ and ``jax.shard_map`` with a leading worker axis on the state (as
 from __future__ import annotations
 
 import itertools
+import math
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import exdyna_jax
+from exdyna_jax import _feedback
 from tests import harness
 
 NUM_WORKERS = 8
@@ -134,3 +137,32 @@ def test_the_update_takes_the_gradients_place_once_they_are_summed_in(name):
   compiled = train_step.lower(weights, parallel.init(weights), inputs).compile()
   vector_bytes = 4 * sum(w.size for w in weights.values())
   assert compiled.memory_analysis().temp_size_in_bytes < 1.4 * vector_bytes
+
+
+def test_the_sum_is_formed_leaf_by_leaf_in_place_on_cpu_and_concatenated_on_gpus():
+  """``a = g + m`` is the same sum either way; only how the leaves reach the row differs.
+
+  XLA:CPU emits a fused concatenation of many leaves slowly, so on CPU each
+  leaf is added into its slice of the donated residual (no N-sized
+  temporary, no concatenation of N); a GPU lowering keeps the one fused
+  concatenation.
+  """
+  rng = np.random.default_rng(0)
+  shapes = [(7,), (16, 3), (1,), (5, 2, 4)] * 10  # 40 leaves
+  leaves = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in shapes]
+  num_elements = sum(math.prod(shape) for shape in shapes)
+  residual = jnp.asarray(rng.normal(size=num_elements), jnp.float32)
+  flat = np.concatenate([np.ravel(leaf) for leaf in leaves])
+
+  accumulate = jax.jit(_feedback.accumulate, donate_argnums=1)
+  for nonfinite, expected in ((0, flat + np.asarray(residual)), (2, np.asarray(residual))):
+    got = accumulate(leaves, jnp.array(residual), jnp.int32(nonfinite))
+    np.testing.assert_array_equal(got, expected[None])
+
+  args = (leaves, jax.ShapeDtypeStruct((num_elements,), jnp.float32), jnp.int32(0))
+  compiled = accumulate.lower(*args).compile()
+  assert not re.search(rf"f32\[(1,)?{num_elements}\]\S* concatenate\(", compiled.as_text())
+  assert compiled.memory_analysis().temp_size_in_bytes < 4 * num_elements
+  on_gpu = accumulate.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert f"tensor<{num_elements}xf32>" in on_gpu and "stablehlo.concatenate" in on_gpu
+  assert "scatter" not in on_gpu

@@ -19,8 +19,15 @@ def test_the_leaves_are_the_cluster_benchmarks_mlp():
   assert sum(map(math.prod, shapes)) == 4_743_178  # the cluster step's N
 
 
+def test_the_transformer_tree_has_many_leaves():
+  shapes = xla_cpu_concat.transformer_leaf_shapes()
+  assert len(shapes) == 122 and sum(map(math.prod, shapes)) == 54_176_256
+  for name in ("transformer_layout_order", "transformer_leaf_by_leaf"):  # the MLP's sums
+    assert xla_cpu_concat.variants()[name][0] == shapes
+
+
 @pytest.mark.parametrize("name", [name for name in xla_cpu_concat.variants()
-                                  if name != "plain_pass"])
+                                  if name != "plain_pass" and not name.startswith("transformer")])
 def test_each_variant_is_the_shells_accumulation(name):
   shapes, accumulate = xla_cpu_concat.variants()[name]
   keys = jax.random.split(jax.random.key(0), len(shapes) + 1)
