@@ -12,7 +12,8 @@ residual on every device. The median ms of each, for a gradient tree shaped
 like the cluster benchmark's MLP (256-2048-2048-10, 6 leaves, N = 4.7M):
 
 * ``layout_order``: the leaves concatenated in their tree order, one fusion
-  (what the library runs on GPUs; the 4M weight is the fourth operand);
+  (what the library runs on GPUs: `exdyna_jax._feedback._concatenated_sum`;
+  the 4M weight is the fourth operand);
 * ``leaf_by_leaf``: each leaf added into its slice of the residual in place
   (what the library runs on CPU: `exdyna_jax._feedback._leaf_by_leaf_sum`);
 * ``static_starts``: the same adds at starts XLA can fold to constants
@@ -71,11 +72,8 @@ def variants():
 
   from exdyna_jax import _feedback
 
-  def flat_row(leaves):
-    return jnp.concatenate([leaf.reshape(-1) for leaf in leaves])[None]
-
   def accumulate(m, leaves, skip):
-    return jnp.where(skip > 0, m, flat_row(leaves) + m)
+    return _feedback._concatenated_sum(leaves, m, skip > 0)
 
   def leaf_by_leaf(m, leaves, skip):
     return _feedback._leaf_by_leaf_sum(leaves, m, skip > 0)

@@ -248,16 +248,16 @@ def _leaf_by_leaf_sum(updates: Any, row: jax.Array, skip: jax.Array) -> jax.Arra
   step adds zeros (``m + 0``: ``m``, up to the sign of a zero).
   """
   leaves = jax.tree.leaves(updates)
-  sizes = [leaf.size for leaf in leaves]
-  starts = jax.lax.optimization_barrier(
-      jnp.asarray(np.cumsum([0, *sizes[:-1]]), jnp.int32))
+  starts = np.cumsum([0, *(leaf.size for leaf in leaves[:-1])])
+  corners = jax.lax.optimization_barrier(  # [leaves, 2]: (0, start) of each slice of row
+      jnp.asarray(np.stack([np.zeros_like(starts), starts], axis=1), jnp.int32))
   window = jax.lax.ScatterDimensionNumbers(
       update_window_dims=(0, 1), inserted_window_dims=(), scatter_dims_to_operand_dims=(0, 1))
-  for leaf, start in zip(leaves, starts, strict=True):
+  for leaf, corner in zip(leaves, corners, strict=True):
     values = jnp.where(skip, 0.0, jnp.reshape(leaf, (1, -1)).astype(_layout.ACCUMULATION_DTYPE))
     row = jax.lax.scatter_add(
-        row, jnp.stack([jnp.int32(0), start]), values, window, indices_are_sorted=True,
-        unique_indices=True, mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+        row, corner, values, window, indices_are_sorted=True, unique_indices=True,
+        mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
   return row
 
 
