@@ -16,6 +16,14 @@ cost next to nothing: it splits each cluster step into
 * the sparsifier's own work: the local step minus the local compute,
 * the exchange: the cluster step minus the local step.
 
+Three rows are floors, not methods (`cluster_worker.FLOORS`):
+``exdyna_network_rounds`` runs compute and the collectives of ExDyna's
+compiled step (told the network) with no other work, what any step with its
+rounds takes here; ``exdyna_network_two_rounds`` the same without the
+guard's round; ``exdyna_network_shell`` the library's error-feedback shell
+around the same collectives, the values taken at indices chosen for free,
+what any error-feedback method with those rounds takes.
+
 Every process shares this machine's cores, as the devices of the local run
 do, so the split compares like with like. Also written: each method's
 crossover link rate (above it dense's step, ``a + b / rate`` through the
@@ -23,6 +31,11 @@ two slowest links, is the shorter) and the alpha-beta model of
 its collectives (`exdyna_jax.demo.hlo` ring counts of the compiled step,
 ``alpha`` and the bandwidth fitted to the calibration) against the measured
 exchange.
+
+Targets (``--parts targets``): 4 processes at 1 Gb/s and unshaped time
+compute only, dense, ExDyna told the network, Top-k and the floors three
+times each, interleaved in one launch; the REPORT's step targets read the
+means of these repeats (a single launch is too noisy on two cores).
 
 Hierarchical (``--parts hierarchical``): 4 processes of 2 devices each, at
 1 Gb/s and unshaped, time compute only, dense and ExDyna over all 8 devices
@@ -62,11 +75,16 @@ ACCURACY_CONFIG = {"density": 0.01, "eval_every": 10, "network": "measure"}
 ACCURACY_WORKERS, ACCURACY_RATES = 4, ("1gbit", "unshaped")
 RATES = ("100mbit", "1gbit", "unshaped")
 WORKERS = (2, 4, 8)
+# The targets' runs: n = 4, these variants interleaved TARGET_REPEATS times in one launch.
+TARGET_WORKERS, TARGET_RATES, TARGET_REPEATS, TARGET_STEPS = 4, ("1gbit", "unshaped"), 3, 20
+TARGET_VARIANTS = ("compute", "dense", "exdyna", "exdyna_network", "topk", "exdyna_network_rounds",
+                   "exdyna_network_two_rounds", "exdyna_network_shell")
 HIERARCHICAL_PROCESSES, HIERARCHICAL_DEVICES = 4, 2
 HIERARCHICAL_RATES = ("1gbit", "unshaped")
 HIERARCHICAL_VARIANTS = ("compute", "dense", "exdyna", "hierarchical_psum", "hierarchical")
 STEP_VARIANTS = ("compute", "dense", "exdyna", "exdyna_network", "exdyna_nospill",
-                 "exdyna_reference", "micro", "spardl", "topk", "cltk", "hard_threshold")
+                 "exdyna_reference", "micro", "spardl", "topk", "cltk", "hard_threshold",
+                 "exdyna_network_rounds", "exdyna_network_two_rounds", "exdyna_network_shell")
 
 
 def fit_link(calibration: list[dict]) -> dict:
@@ -150,8 +168,9 @@ def main() -> None:
   parser.add_argument("--rates", default=",".join(RATES))
   parser.add_argument("--variants", default=",".join(STEP_VARIANTS))
   parser.add_argument("--steps", type=int, default=12)
-  parser.add_argument("--parts", default="steps,hierarchical,accuracy",
-                      help="steps (the step-time grid), hierarchical (2 devices per process), "
+  parser.add_argument("--parts", default="steps,targets,hierarchical,accuracy",
+                      help="steps (the step-time grid), targets (the targets' point, n = 4, "
+                      "repeated), hierarchical (2 devices per process), "
                       "accuracy (time to accuracy), "
                       "summary (recomputed from the runs in --out); a part not run is kept")
   parser.add_argument("--accuracy-steps", type=int, default=300, help="dense's training steps")
@@ -170,6 +189,8 @@ def main() -> None:
     result.update(runs={str(k): v for k, v in runs.items()}, summary=summarize(runs))
   if "summary" in parts and "runs" in result:  # again, from the runs kept
     result["summary"] = summarize({int(k): v for k, v in result["runs"].items()})
+  if "targets" in parts:
+    result["targets"] = target_runs(args)
   if "hierarchical" in parts:
     result["hierarchical"] = hierarchical_runs(args)
   if "accuracy" in parts:
@@ -200,6 +221,23 @@ def step_grid(args) -> dict:
       runs[workers][rate] = cluster.run_workers(
           [*WORKER, *worker_args, "--calibrate"], processes=workers, link_rate=rate,
           timeout=args.timeout)
+  return runs
+
+
+def target_runs(args) -> dict:
+  """``{rate: records}`` at the targets' point: `TARGET_VARIANTS`, `TARGET_REPEATS` times.
+
+  A grid's launch times each method once, and at ``n = 4`` on these two
+  cores one launch can run a method 2x slower than the next (compute only:
+  20 to 43 ms); the targets read the mean of interleaved repeats instead.
+  """
+  variants = ",".join(TARGET_VARIANTS * (1 if args.quick else TARGET_REPEATS))
+  command = [*WORKER, f"--variants={variants}", f"--steps={TARGET_STEPS}"]
+  runs = {}
+  for rate in TARGET_RATES:
+    _common.log(f"targets: {TARGET_WORKERS} processes at {rate}, {variants}")
+    runs[rate] = cluster.run_workers(command, processes=TARGET_WORKERS, link_rate=rate,
+                                     timeout=args.timeout)
   return runs
 
 

@@ -8,6 +8,15 @@ donated, the state returned first), trains ``--warmup`` steps, then times
 ``--steps`` steps, each blocked on, and process 0 prints one JSON line per
 method. ``compute`` is the same gradient and SGD with no exchange at all
 (each worker applies its own gradient): the step's compute alone.
+Three floors (`FLOORS`) replay ``exdyna_network``'s compiled step:
+``exdyna_network_rounds`` is compute plus its collectives (the same kinds and
+sizes, in order) and no other work (`rounds_only`);
+``exdyna_network_two_rounds`` leaves out the first (the guard's ``psum``);
+``exdyna_network_shell`` is the library's error-feedback shell (the guard,
+``a = g + m`` in place, the dense update, the residual cleared) around the
+same collectives, its values taken at indices chosen for free
+(`shell_only`): ExDyna less its partitions, probe count, selection and
+threshold.
 ``hierarchical`` and ``hierarchical_psum`` (several devices per process) are
 ExDyna across the processes only, ``hierarchical(exdyna(axis_name="node"),
 fast_axis="local")`` on a ``("node", "local")`` mesh, one row per process:
@@ -35,6 +44,7 @@ import optax  # noqa: E402
 
 import exdyna_jax  # noqa: E402
 from benchmarks import _common  # noqa: E402
+from exdyna_jax import _exchange, _feedback, _stats  # noqa: E402
 from exdyna_jax.demo import hlo, tasks  # noqa: E402
 from exdyna_jax.demo.cluster_worker import (  # noqa: E402
   AXIS,
@@ -57,6 +67,9 @@ VARIANTS = {
     "topk": ("topk", {}),
     "cltk": ("cltk", {}),
     "hard_threshold": ("hard_threshold", {}),
+    "exdyna_network_rounds": (None, {}),  # floors: see FLOORS
+    "exdyna_network_two_rounds": (None, {}),
+    "exdyna_network_shell": ("shell", {}),
     "hierarchical": ("exdyna", {}),  # across processes only: see hierarchical_step
     "hierarchical_psum": ("exdyna", {}),
 }
@@ -80,6 +93,80 @@ def make_tx(variant: str, density: float, learning_rate: float,
         sparsifier, fast_axis=LOCAL, fast_reduce=FAST_REDUCE[variant])
     return optax.chain(hierarchical, sgd)
   return optax.chain(exdyna_jax.get_sparsifier(method, axis_name=AXIS, **options), sgd)
+
+
+def replay(op: dict, word: jax.Array) -> jax.Array:
+  """Runs the collective ``op`` (its kind and result size) on float32 words filled with ``word``.
+
+  Returns the first word of its result, so the next one runs after it.
+  """
+  words = op["result_bytes"] // 4
+  if op["kind"] == "all-reduce":
+    return jax.lax.psum(jnp.full((words,), word), AXIS)[0]
+  if op["kind"] == "all-gather":
+    shard = words // jax.lax.axis_size(AXIS)
+    return jax.lax.all_gather(jnp.full((shard,), word), AXIS)[-1, -1]
+  raise ValueError(f"no replay of a {op['kind']}")
+
+
+def rounds_only(collectives: list[dict]) -> optax.GradientTransformation:
+  """The worker's own gradient, after ``collectives`` (kinds and result sizes) and nothing else.
+
+  The first collective moves the gradient's first element, each next one
+  the last one's first word (`replay`), so they run in order after the
+  gradient; the update is the gradient times one plus zero times the last
+  word, which XLA cannot fold, so SGD waits for them, and it fuses into the
+  SGD's one pass (no pass over ``N`` the compute step does not make).
+  """
+  def update_fn(updates, state, params=None):
+    del params
+    word = jax.tree.leaves(updates)[0].reshape(-1)[0]
+    for op in collectives:
+      word = replay(op, word)
+    scale = 1 + 0 * word
+    return jax.tree.map(lambda g: g * scale, updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def shell_only(collectives: list[dict], density: float) -> optax.GradientTransformation:
+  """The error-feedback shell around ``collectives``, its values at indices chosen for free.
+
+  The shell runs the first collective itself (the guard's ``psum``) and the
+  passes every method makes: the screen, ``a = g + m``, the dense update,
+  the residual cleared where the values were sent. In between, the
+  collectives but the last are replayed (`replay`, from ``a``'s first
+  element), and the last one sums the workers' values (``psum`` or
+  all-gather, as it did; `_exchange.aggregate_at`) at as many indices as it
+  carried, spread over ``N`` without reading the gradient.
+  """
+  *control, values = collectives[1:]
+  gather = values["kind"] == "all-gather"
+
+  def sparsify(accumulated, stats, num_workers, k):
+    num_elements = accumulated.shape[0]
+    word = accumulated[0]
+    for op in control:
+      word = replay(op, word)
+    slots = values["result_bytes"] // 4 // (num_workers if gather else 1)
+    after = (0 * word).astype(jnp.int32)  # 0, which XLA cannot fold: the sum waits for them
+    indices = jnp.arange(slots, dtype=jnp.int32) * (num_elements // slots) + after
+    sparse = _exchange.aggregate_at(accumulated, indices, AXIS, gather=gather)
+    return sparse, _stats.unpartitioned_stats(
+        stats, threshold=jnp.float32(0), selected=jnp.int32(slots),
+        transmitted=jnp.int32(slots), overflow=jnp.int32(0),
+        workloads=jnp.full((num_workers,), slots // num_workers), num_elements=num_elements,
+        target=k, bytes_sent=sum(op["result_bytes"] for op in collectives))
+
+  return _feedback.fixed_budget_transform(density, axis_name=AXIS, sparsify=sparsify)
+
+
+# The floors' transformations, from the collectives of exdyna_network's step and the density.
+FLOORS = {
+    "exdyna_network_rounds": lambda collectives, density: rounds_only(collectives),
+    "exdyna_network_two_rounds": lambda collectives, density: rounds_only(collectives[1:]),
+    "exdyna_network_shell": shell_only,
+}
 
 
 def node_local_mesh() -> jax.sharding.Mesh:
@@ -143,8 +230,12 @@ def collectives_of(train_step, *args) -> list[dict]:
           for op in ops]
 
 
-def time_variant(variant, mesh, params, batch, args, network=None) -> dict:
-  tx = make_tx(variant, args.density, args.learning_rate, network)
+def build_step(variant, mesh, params, batch, args, network=None, replayed=None):
+  """``(train_step, opt_state, batch)`` of ``variant`` (``replayed``: what `FLOORS` replay)."""
+  if variant in FLOORS:
+    tx = optax.chain(FLOORS[variant](replayed, args.density), optax.sgd(args.learning_rate))
+  else:
+    tx = make_tx(variant, args.density, args.learning_rate, network)
 
   def per_worker_step(params, opt_state, batch):
     grads = jax.grad(tasks.mlp_loss)(params, batch)
@@ -152,16 +243,18 @@ def time_variant(variant, mesh, params, batch, args, network=None) -> dict:
     return optax.apply_updates(params, updates), opt_state
 
   if variant in FAST_REDUCE:
-    train_step, opt_state, batch = hierarchical_step(tx, per_worker_step, params, batch)
-  elif variant == "compute":  # each worker applies its own gradient: data_parallel refuses that
+    return hierarchical_step(tx, per_worker_step, params, batch)
+  if VARIANTS[variant][0] is None:  # no sparsifier: data_parallel refuses that
     train_step = jax.jit(jax.shard_map(
         per_worker_step, mesh=mesh, in_specs=(jax.P(), jax.P(), jax.P(AXIS)),
         out_specs=(jax.P(), jax.P()), check_vma=False), donate_argnums=(0, 1))
-    opt_state = tx.init(params)
-  else:
-    dp = exdyna_jax.data_parallel(tx, mesh, axis_name=AXIS)
-    train_step, opt_state = dp.step(per_worker_step), dp.init(params)
+    return train_step, tx.init(params), batch
+  dp = exdyna_jax.data_parallel(tx, mesh, axis_name=AXIS)
+  return dp.step(per_worker_step), dp.init(params), batch
 
+
+def time_variant(variant, mesh, params, batch, args, network=None, replayed=None) -> dict:
+  train_step, opt_state, batch = build_step(variant, mesh, params, batch, args, network, replayed)
   params = jax.tree.map(jnp.copy, params)  # donated below
   collectives = collectives_of(train_step, params, opt_state, batch)
   for _ in range(args.warmup):
@@ -177,7 +270,7 @@ def time_variant(variant, mesh, params, batch, args, network=None) -> dict:
   result = {"variant": variant, "step_ms": [round(s * 1e3, 3) for s in seconds],
             "median_ms": round(float(np.median(seconds)) * 1e3, 3),
             "mean_ms": round(elapsed / args.steps * 1e3, 3), "collectives": collectives}
-  if variant != "compute":
+  if VARIANTS[variant][0] is not None:
     stats = exdyna_jax.get_stats(opt_state)
     result.update(transmitted=int(local_value(stats.transmitted)),
                   bytes_sent=int(local_value(stats.bytes_sent)))
@@ -215,9 +308,14 @@ def main() -> None:
       print(json.dumps({"calibration": rows}), flush=True)
   variants = args.variants.split(",")
   measured = [v for v in variants if VARIANTS[v][1].get("network") == "measure"]
-  network = exdyna_jax.Network.measure(mesh, AXIS) if measured else None
+  replaying = bool(FLOORS.keys() & set(variants))
+  network = exdyna_jax.Network.measure(mesh, AXIS) if measured or replaying else None
+  replayed = None
+  if replaying:
+    step, opt_state, _ = build_step("exdyna_network", mesh, params, batch, args, network)
+    replayed = collectives_of(step, params, opt_state, batch)
   for variant in variants:
-    result = time_variant(variant, mesh, params, batch, args, network)
+    result = time_variant(variant, mesh, params, batch, args, network, replayed)
     if jax.process_index() == 0:
       result.update(processes=jax.process_count(), devices=jax.device_count(),
                     parameters=num_params, density=args.density)

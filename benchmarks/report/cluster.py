@@ -4,16 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from benchmarks.report import plots
 from exdyna_jax.demo import cluster
 
 TARGET_WORKERS, TARGET_RATE = "4", "1gbit"
 ORDER = ("compute", "dense", "exdyna", "exdyna_network", "exdyna_nospill", "exdyna_reference",
-         "micro", "spardl", "topk", "cltk", "hard_threshold")
+         "micro", "spardl", "topk", "cltk", "hard_threshold", "exdyna_network_rounds",
+         "exdyna_network_two_rounds", "exdyna_network_shell")
+# Not methods: ExDyna's rounds alone, less the guard's, and in the error-feedback shell.
+FLOORS = ("exdyna_network_rounds", "exdyna_network_two_rounds", "exdyna_network_shell")
 LABELS = {"compute": "compute only", "exdyna_network": "exdyna network=measured",
           "exdyna_nospill": "exdyna spill=False",
           "exdyna_reference": "exdyna reference", "hierarchical_psum": "hierarchical, psum",
-          "hierarchical": "hierarchical, psum_scatter"}
+          "hierarchical": "hierarchical, psum_scatter",
+          "exdyna_network_rounds": "floor: its rounds alone",
+          "exdyna_network_two_rounds": "floor: its rounds less the guard's",
+          "exdyna_network_shell": "floor: the shell and its rounds"}
 
 
 def _rates(summary: dict) -> list[str]:
@@ -37,7 +45,7 @@ def _step_table(summary: dict, table) -> str:
       cells = [f"{by[r]['step_ms']:.0f}" if r in by else "" for r in rates]
       cross = by.get("crossover_bps")
       rows.append([workers, LABELS.get(variant, variant), *cells,
-                   "" if variant in ("compute", "dense") else
+                   "" if variant in ("compute", "dense", *FLOORS) else
                    ("any rate" if cross is None else f"{cross / 1e9:.2f} Gb/s")])
   return table(["n", "method", *(f"step ms, {r}" for r in rates), "faster than dense below"],
                rows)
@@ -130,6 +138,15 @@ def cluster_section(rep, cluster: dict[str, Any] | None, table) -> None:
       _plot_steps(rep, summary),
       "",
   ]
+  targets = cluster.get("targets")
+  if targets:
+    steps = len(next(r for r in next(iter(targets.values())) if "variant" in r)["step_ms"])
+    parts += [f"**The targets' point** (`--parts targets`): n = {TARGET_WORKERS}, each method "
+              "timed in every repeat, the repeats interleaved in one launch per link (mean ms a "
+              f"step over {steps} steps each); the targets below read these means.", "",
+              _repeats_table(targets, table), ""]
+  steps = _target_steps(targets, rows_of)
+  parts += _floor_text(steps)
   for workers, rows in summary.items():
     for rate in (r for r in _rates({workers: rows}) if r == TARGET_RATE):
       if any(rate in by for by in rows.values()):
@@ -153,7 +170,57 @@ def cluster_section(rep, cluster: dict[str, Any] | None, table) -> None:
               f"`python -m benchmarks.cluster --parts accuracy`: {told}Config: `{config}`."
               if config else "", "", *_accuracy_tables(rep, accuracy, table)]
   rep.add("\n".join(parts))
-  _targets(rep, rows_of, accuracy)
+  _targets(rep, steps, rows_of, accuracy)
+
+
+def _repeats(targets: dict) -> dict:
+  """``{variant: {rate: [mean ms of each repeat]}}`` of the targets' runs."""
+  repeats: dict = {}
+  for rate, records in targets.items():
+    for record in (r for r in records if "variant" in r):
+      repeats.setdefault(record["variant"], {}).setdefault(rate, []).append(record["mean_ms"])
+  return repeats
+
+
+def _target_steps(targets: dict | None, rows_of: dict) -> dict:
+  """``{variant: {rate: ms}}`` the targets read: the repeats' means, else the grid's rows."""
+  if not targets:
+    return {variant: {rate: row["step_ms"] for rate, row in by.items() if rate != "crossover_bps"}
+            for variant, by in rows_of.items()}
+  return {variant: {rate: float(np.mean(ms)) for rate, ms in by.items()}
+          for variant, by in _repeats(targets).items()}
+
+
+def _repeats_table(targets: dict, table) -> str:
+  rates = list(targets)
+  rows = [[LABELS.get(variant, variant),
+           *(f"{np.mean(by[r]):.1f} ({', '.join(f'{x:.1f}' for x in by[r])})" if r in by else ""
+             for r in rates)]
+          for variant, by in _repeats(targets).items()]
+  return table(["method", *(f"step ms, {r}: mean (each repeat)" for r in rates)], rows)
+
+
+def _floor_text(steps: dict) -> list[str]:
+  """What ExDyna's rounds take without its work at the target point (the `FLOORS` rows)."""
+  def step(variant):
+    return steps.get(variant, {}).get(TARGET_RATE)
+
+  compute, exdyna, topk, rounds, two, shell = map(
+      step, ("compute", "exdyna_network", "topk", *FLOORS))
+  if not all((compute, exdyna, topk, rounds, two, shell)):
+    return []
+  return [
+      f"**Floors** (n = {TARGET_WORKERS}, {TARGET_RATE}; `cluster_worker.FLOORS`): compute "
+      f"only takes {compute:.1f} ms. With the collectives of ExDyna's compiled step (told "
+      f"the network), the same kinds and sizes and no other work: {rounds:.1f} ms "
+      f"({rounds / compute:.2f}x compute); less the guard's round {two:.1f} ms "
+      f"({two / compute:.2f}x). The library's error-feedback shell (the guard, `a = g + m`, "
+      f"the dense update, the residual) around the same collectives, the values taken at "
+      f"indices chosen for free: {shell:.1f} ms ({shell / compute:.2f}x), what any "
+      f"error-feedback method with these rounds takes here. ExDyna: {exdyna:.1f} ms "
+      f"({exdyna / compute:.2f}x; its partitions, probe count, selection and threshold "
+      f"{exdyna - shell:.1f} ms over the shell). The targets ask for {1.8 * compute:.1f} ms "
+      f"(1.8x compute) and {topk / 2:.1f} ms (half of Top-k's {topk:.1f}).", ""]
 
 
 def _link_text(rows: dict, rate: str) -> str:
@@ -163,9 +230,9 @@ def _link_text(rows: dict, rate: str) -> str:
           f"{'unbounded' if not bandwidth else f'{bandwidth / 1e9:.2f} Gb/s'}")
 
 
-def _targets(rep, rows_of: dict, accuracy: dict | None) -> None:
+def _targets(rep, steps: dict, rows_of: dict, accuracy: dict | None) -> None:
   def step(variant, rate=TARGET_RATE):
-    return rows_of.get(variant, {}).get(rate, {}).get("step_ms")
+    return steps.get(variant, {}).get(rate)
 
   compute = step("compute")
   # ExDyna as it comes, and told the network its workers measured.
@@ -185,7 +252,8 @@ def _targets(rep, rows_of: dict, accuracy: dict | None) -> None:
                  ratio >= 2)
   errors = [abs(by[TARGET_RATE]["model_exchange_ms"] / by[TARGET_RATE]["exchange_ms"] - 1)
             for variant, by in rows_of.items()
-            if TARGET_RATE in by and by[TARGET_RATE]["exchange_ms"] > 5 and variant != "compute"]
+            if TARGET_RATE in by and by[TARGET_RATE]["exchange_ms"] > 5
+            and variant not in ("compute", *FLOORS)]
   if errors:
     rep.target("cluster: alpha-beta model vs measured exchange (n = 4, 1 Gb/s, > 5 ms)",
                "within 25 %", f"worst {max(errors):.0%}", max(errors) <= 0.25)
