@@ -17,7 +17,7 @@ optimizer_state     momentum and Adam after the sparsifier: step, temporaries,
                     weight copies (``optimizer_state.py``)
 cost                update time grid, inside a time budget (``cost.py``)
 cluster             the train step and time to accuracy over shaped links
-                    (``cluster.py``; needs root, about 45 minutes: only run
+                    (``cluster.py``; needs root, about an hour: only run
                     when named, ``--only cluster,report``)
 report              ``REPORT.md`` and plots (``report.py``)
 ==================  ==========================================================
@@ -49,7 +49,7 @@ PARTS = (
   "cluster",
   "report",
 )
-DEFAULT_PARTS = tuple(part for part in PARTS if part != "cluster")  # root and 45 minutes
+DEFAULT_PARTS = tuple(part for part in PARTS if part != "cluster")  # root and an hour
 
 
 def commands(results: pathlib.Path, quick: bool, cost_budget: float) -> dict[str, list[str]]:
