@@ -69,7 +69,7 @@ VARIANTS = {
     "hard_threshold": ("hard_threshold", {}),
     "exdyna_network_rounds": (None, {}),  # floors: see FLOORS
     "exdyna_network_two_rounds": (None, {}),
-    "exdyna_network_shell": ("shell", {}),
+    "exdyna_network_shell": ("shell", {}),  # not registered: marks the library's state and stats
     "hierarchical": ("exdyna", {}),  # across processes only: see hierarchical_step
     "hierarchical_psum": ("exdyna", {}),
 }

@@ -1,9 +1,10 @@
-"""The emulated cluster's floor rows: a step's rounds alone (`benchmarks/cluster_worker.py`).
+"""The emulated cluster's floor rows (`benchmarks/cluster_worker.FLOORS`).
 
-``exdyna_network_rounds`` is compute plus the collectives of ExDyna's
-compiled step and nothing else; it is a floor only if the compiled program
-runs those collectives as given (XLA neither drops nor merges them) and
-the update is the worker's own gradient.
+``rounds_only`` is compute plus the collectives of ExDyna's compiled step
+and nothing else, ``shell_only`` the error-feedback shell around them; each
+is a floor only if its compiled program runs those collectives as given
+(XLA neither drops nor merges them) and its update is what it claims: the
+worker's own gradient, or the mean of ``a = g + m`` at the indices sent.
 """
 
 from __future__ import annotations
@@ -24,8 +25,16 @@ REPLAYED = [{"kind": "all-reduce", "result_bytes": 8},
             {"kind": "all-gather", "result_bytes": 4 * 4 * 37}]
 
 
+def worker_mesh() -> jax.sharding.Mesh:
+  return jax.make_mesh((WORKERS,), (AXIS,), devices=jax.devices()[:WORKERS])
+
+
+def kinds_and_sizes(ops: list[dict]) -> list[tuple[str, int]]:
+  return [(op["kind"], op["result_bytes"]) for op in ops]
+
+
 def test_rounds_only_runs_the_collectives_given_and_passes_the_gradient_through():
-  mesh = jax.make_mesh((WORKERS,), (AXIS,), devices=jax.devices()[:WORKERS])
+  mesh = worker_mesh()
   tx = cluster_worker.rounds_only(REPLAYED)
   grads = {"w": jax.random.normal(jax.random.key(0), (WORKERS, 64, 3)),
            "b": jax.random.normal(jax.random.key(1), (WORKERS, 3))}
@@ -40,8 +49,7 @@ def test_rounds_only_runs_the_collectives_given_and_passes_the_gradient_through(
   updates = step(grads)
   jax.tree.map(np.testing.assert_array_equal, updates, grads)
   compiled = hlo.collectives(step.lower(grads).compile().as_text(), WORKERS)
-  assert [(op["kind"], op["result_bytes"]) for op in compiled] == [
-      (op["kind"], op["result_bytes"]) for op in REPLAYED]
+  assert kinds_and_sizes(compiled) == kinds_and_sizes(REPLAYED)
 
 
 def test_rounds_only_refuses_a_collective_it_cannot_replay():
@@ -76,7 +84,7 @@ def test_shell_only_sends_the_mean_at_free_indices_through_the_shell():
 
 def test_the_shell_runs_the_collectives_given():
   """Under shard_map, as on the cluster: the guard's psum, the replayed gather, the values."""
-  mesh = jax.make_mesh((WORKERS,), (AXIS,), devices=jax.devices()[:WORKERS])
+  mesh = worker_mesh()
   tx = cluster_worker.shell_only(REPLAYED, density=0.01)
   dp = exdyna_jax.data_parallel(tx, mesh, axis_name=AXIS)
   params = jnp.zeros(4000)
@@ -90,5 +98,4 @@ def test_the_shell_runs_the_collectives_given():
                          jax.sharding.NamedSharding(mesh, jax.P(AXIS)))
   compiled = hlo.collectives(
       step.lower(params, dp.init(params), grads).compile().as_text(), WORKERS)
-  assert [(op["kind"], op["result_bytes"]) for op in compiled] == [
-      (op["kind"], op["result_bytes"]) for op in REPLAYED]
+  assert kinds_and_sizes(compiled) == kinds_and_sizes(REPLAYED)
