@@ -6,7 +6,10 @@ CNN with BatchNorm and Dropout, ``nnx.Optimizer``, ``nnx.MultiMetric``,
 marked ``# data parallel`` are all that changed; everything else is the
 single-device script:
 
-- a mesh, and the sparsifier put first in the optax chain;
+- a mesh, and ``exdyna_jax.sparse_adamw(exdyna(...), lr)`` for
+  ``optax.adamw(lr, momentum)`` (Adam after a sparsifier gets bursts; here
+  each worker's own second moment preconditions its gradient and the
+  sparsifier's residual carries the momentum);
 - ``exdyna_jax.nnx_optimizer(dp, model, wrt=nnx.Param)`` for
   ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` (its state is each worker's own);
 - ``@exdyna_jax.nnx_step(dp, reduce=...)`` for ``@nnx.jit`` on the training
@@ -70,8 +73,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
   mesh = jax.make_mesh((jax.device_count(),), ("data",),  # data parallel
                        axis_types=(jax.sharding.AxisType.Auto,))  # data parallel
   model = CNN(rngs=nnx.Rngs(0))
-  tx = optax.chain(exdyna_jax.exdyna(args.density),  # data parallel
-                   optax.adamw(args.learning_rate, args.momentum))
+  tx = exdyna_jax.sparse_adamw(exdyna_jax.exdyna(args.density),  # data parallel
+                               args.learning_rate)  # data parallel: the residual is the momentum
   dp = exdyna_jax.data_parallel(tx, mesh)  # data parallel
   optimizer = exdyna_jax.nnx_optimizer(dp, model, wrt=nnx.Param)  # data parallel
   metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))

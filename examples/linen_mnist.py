@@ -5,7 +5,10 @@ The single-device linen training script (a CNN with BatchNorm and Dropout, a
 ``state.apply_gradients(...)``), ported to 8 workers. The lines marked
 ``# data parallel`` are all that changed:
 
-- a mesh, and the sparsifier put first in the optax chain;
+- a mesh, and ``exdyna_jax.sparse_adamw(exdyna(...), lr)`` for
+  ``optax.adamw(lr, momentum)`` (Adam after a sparsifier gets bursts; here
+  each worker's own second moment preconditions its gradient and the
+  sparsifier's residual carries the momentum);
 - ``exdyna_jax.create_train_state(dp, TrainState, ...)`` for
   ``TrainState.create(..., tx=tx)`` (its ``opt_state`` is each worker's own);
 - ``@exdyna_jax.train_state_step(dp, reduce={"batch_stats": "mean"})`` for
@@ -66,8 +69,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
   model = CNN()
   train_ds, test_ds = data.digit_images()
   variables = model.init(jax.random.key(0), train_ds["image"][:1], train=False)
-  tx = optax.chain(exdyna_jax.exdyna(args.density),  # data parallel
-                   optax.adamw(args.learning_rate, args.momentum))
+  tx = exdyna_jax.sparse_adamw(exdyna_jax.exdyna(args.density),  # data parallel
+                               args.learning_rate)  # data parallel: the residual is the momentum
   dp = exdyna_jax.data_parallel(tx, mesh)  # data parallel
   state = exdyna_jax.create_train_state(  # data parallel
       dp, TrainState, apply_fn=model.apply, params=variables["params"],

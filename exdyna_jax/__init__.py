@@ -7,6 +7,8 @@ from exdyna_jax._exdyna import ExDynaState, exdyna
 from exdyna_jax._feedback import ErrorFeedbackState
 from exdyna_jax._hard_threshold import hard_threshold
 from exdyna_jax._hierarchical import hierarchical
+from exdyna_jax._local_rms import LocalRMSState, scale_by_local_rms, sparse_adamw
+from exdyna_jax._local_steps import LocalStepsState, local_steps
 from exdyna_jax._micro import micro
 from exdyna_jax._network import Network
 from exdyna_jax._nnx import nnx_optimizer, nnx_step
@@ -23,6 +25,8 @@ __all__ = [
     "DenseState",
     "ErrorFeedbackState",
     "ExDynaState",
+    "LocalRMSState",
+    "LocalStepsState",
     "Network",
     "SparDLRounds",
     "SparDLState",
@@ -38,12 +42,15 @@ __all__ = [
     "get_stats",
     "hard_threshold",
     "hierarchical",
+    "local_steps",
     "micro",
     "nnx_optimizer",
     "nnx_step",
     "read_totals",
     "resize_workers",
+    "scale_by_local_rms",
     "spardl",
+    "sparse_adamw",
     "topk",
     "train_state_step",
 ]

@@ -28,7 +28,7 @@ import jax
 import optax
 from flax import nnx
 
-from exdyna_jax import _collectives, _sharding
+from exdyna_jax import _collectives, _local_steps, _sharding
 
 _PER_WORKER, _RNG_KEY, _REPLICATED = "per worker", "rng key", "replicated"
 _REPLICATED_TYPES = (nnx.Param, nnx.OptState, nnx.RngCount)  # identical on every worker
@@ -92,6 +92,34 @@ def check_optimizers(objects: tuple, dp: _sharding.DataParallel) -> None:
           "worker would train on its own gradient. Build it with "
           "exdyna_jax.nnx_optimizer(dp, model, wrt=nnx.Param)."
       )
+
+
+def models_under_local_steps(objects: tuple) -> list[tuple[nnx.Module, nnx.Optimizer]]:
+  """Each optimizer stepping `local_steps`, with the model among ``objects`` it trains.
+
+  The model is the module whose ``wrt`` state has the tree of the state's
+  parameters (an ``nnx.Optimizer`` holds no reference to its model).
+
+  Raises:
+    TypeError: where no argument of the step is that model.
+  """
+  trained = []
+  for _, optimizer in nnx.iter_graph(objects):
+    if not isinstance(optimizer, nnx.Optimizer):
+      continue
+    state = _local_steps.find(nnx.as_pure(optimizer.opt_state))
+    if state is None:
+      continue
+    tree = jax.tree.structure(state.local)
+    model = next((node for _, node in nnx.iter_graph(objects)
+                  if isinstance(node, nnx.Module) and not isinstance(node, nnx.Optimizer)
+                  and jax.tree.structure(nnx.as_pure(nnx.state(node, optimizer.wrt))) == tree),
+                 None)
+    if model is None:
+      raise TypeError("The optimizer steps local_steps, and no argument of the step is the model "
+                      "it trains: pass the model to the step along with its optimizer.")
+    trained.append((model, optimizer))
+  return trained
 
 
 def leaf_kinds(state: Any, reduce: Mapping[type, str]) -> tuple[tuple[str, str], ...]:
@@ -177,7 +205,7 @@ def nnx_step(dp: _sharding.DataParallel, *, reduce: Mapping[type, str] | None = 
   def decorator(step: Callable[..., Any]) -> Callable[..., Any]:
     @functools.cache
     def compiled(graphdef, treedef, kinds, is_object):
-      @dp.step
+      @functools.partial(_sharding.step_decorator, dp.mesh, dp.axis_name, own_params=False)
       def per_worker(shared, own, data):
         before = merge_by_kind(shared, own, kinds)
         worker = jax.lax.axis_index(dp.axis_name)
@@ -185,8 +213,13 @@ def nnx_step(dp: _sharding.DataParallel, *, reduce: Mapping[type, str] | None = 
                   for a, (kind, _) in zip(before, kinds, strict=True)]
         objects = nnx.merge(graphdef, jax.tree.unflatten(treedef, folded))
         check_optimizers(objects, dp)  # when traced: once per graph structure
+        trained = models_under_local_steps(objects)
+        for model, optimizer in trained:  # the worker's own parameters into the step
+          nnx.update(model, _local_steps.find(nnx.as_pure(optimizer.opt_state)).local)
         by_kind = {True: iter(objects), False: iter(data)}
         result = step(*(next(by_kind[node]) for node in is_object))
+        for model, optimizer in trained:  # the synced ones out of it
+          nnx.update(model, _local_steps.find(nnx.as_pure(optimizer.opt_state)).synced)
         after, after_treedef = jax.tree.flatten(nnx.state(objects))
         if after_treedef != treedef:
           raise TypeError("The step added or removed nnx variables: create every variable "

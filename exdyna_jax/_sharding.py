@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax import P
 
-from exdyna_jax import _dp_checks, _layout, _stats
+from exdyna_jax import _dp_checks, _layout, _local_steps, _stats
 
 
 def add_worker_axis(tree):
@@ -187,9 +187,16 @@ def data_parallel(
           jax.device_put(params, replicated))
     _dp_checks.refuse_unexchanged_leaves(params, seen)
     _dp_checks.warn_if_not_first(opt_state, params)
+    _dp_checks.warn_if_moments_after(opt_state)
     return opt_state
 
   def update(worker_grads, opt_state, params=None, **extra_args):
+    if _local_steps.find(opt_state) is not None:
+      raise TypeError(
+          "dp.update cannot step local_steps: its gradients are taken at each worker's own "
+          "parameters, which dp.value_and_grad does not see. Decorate a per-worker step "
+          "with dp.step instead.")
+
     def body(grads, state, params):
       updates, state = tx.update(
           drop_worker_axis(grads), drop_worker_axis(state), params, **extra_args
@@ -233,22 +240,34 @@ def per_worker_map(mesh: jax.sharding.Mesh, fn: Callable, in_specs: Any, out_spe
 
 
 def step_decorator(mesh: jax.sharding.Mesh, axis_name: str,
-                   per_worker_step: Callable[..., tuple]) -> Callable[..., tuple]:
+                   per_worker_step: Callable[..., tuple], *, own_params: bool = True
+                   ) -> Callable[..., tuple]:
   """`DataParallel.step`: the jitted, donating train step of ``per_worker_step``.
 
   It checks the batch and the keyword arguments, places the inputs as the
   step takes them, runs the step per worker with the optimizer state's
   worker axis dropped, and after the first call refuses replicated params
   whose copies differ across the workers.
+
+  Under `local_steps` (``own_params``) the step takes each worker's own
+  parameters from the state and the synced ones leave it; the Flax helpers,
+  whose first argument holds more than the parameters, pass False and
+  swap the parameters themselves.
   """
   per_worker, shard = P(axis_name), functools.partial(per_worker_map, mesh)
   replicated, split = jax.NamedSharding(mesh, P()), jax.NamedSharding(mesh, per_worker)
 
   def body(params, opt_state, batch, *args):
     opt_state = drop_worker_axis(opt_state)
-    outputs = per_worker_step(params, opt_state, batch, *args)
+    if own_params:
+      outputs = per_worker_step(_local_steps.worker_params(opt_state, params), opt_state, batch,
+                                *args)
+    else:
+      outputs = per_worker_step(params, opt_state, batch, *args)
     _dp_checks.check_step_outputs(outputs, params, opt_state, per_worker_step)
     params, opt_state, *aux = outputs
+    if own_params:
+      params = _local_steps.synced_params(opt_state, params)
     return add_worker_axis(opt_state), params, add_worker_axis(jax.tree.map(jnp.asarray, aux))
 
   # The state leaves first: a donated state buffer is aliased to the first

@@ -31,7 +31,7 @@ import jax
 import optax
 from flax.training.train_state import TrainState
 
-from exdyna_jax import _collectives, _sharding
+from exdyna_jax import _collectives, _local_steps, _sharding
 
 _FIELDS_WITHOUT_RULE = ("params", "opt_state", "step")  # what the step itself keeps right
 
@@ -165,9 +165,10 @@ def train_state_step(dp: _sharding.DataParallel, *, reduce: Mapping[str, str] | 
   check_reduce(reduce)
 
   def decorator(step: Callable[..., Any]) -> Callable[..., Any]:
-    @dp.step
+    @functools.partial(_sharding.step_decorator, dp.mesh, dp.axis_name, own_params=False)
     def per_worker(shared, opt_state, batch, *args):
-      state = shared.replace(opt_state=opt_state)
+      state = shared.replace(
+          opt_state=opt_state, params=_local_steps.worker_params(opt_state, shared.params))
       outputs = step(state, batch, *args)
       new_state, aux = (outputs, None) if isinstance(outputs, TrainState) else (
           outputs[0], tuple(outputs[1:]))
@@ -175,7 +176,8 @@ def train_state_step(dp: _sharding.DataParallel, *, reduce: Mapping[str, str] | 
         raise TypeError(f"{getattr(step, '__name__', 'The step')} must return the state it was "
                         "given, updated (state.apply_gradients(...)), first.")
       new_state = combine_fields(state, new_state, reduce, dp.axis_name)
-      return new_state.replace(opt_state=None), new_state.opt_state, aux
+      params = _local_steps.synced_params(new_state.opt_state, new_state.params)
+      return new_state.replace(opt_state=None, params=params), new_state.opt_state, aux
 
     def inputs(state, batch, args):
       check_state(state, dp, reduce)

@@ -272,14 +272,32 @@ def test_a_stateful_transform_before_the_sparsifier_is_warned_about_by_data_para
         params()
     )
   fine = [
-      optax.chain(sparsifier(), optax.adam(0.1)),
-      optax.MultiSteps(optax.chain(sparsifier(), optax.sgd(0.1, momentum=0.9)), 4),
-      optax.inject_hyperparams(lambda lr: optax.chain(sparsifier(), optax.sgd(lr, 0.9)))(0.1),
+      optax.chain(sparsifier(), optax.sgd(0.1)),
+      optax.MultiSteps(optax.chain(sparsifier(), optax.sgd(0.1)), 4),
+      optax.chain(optax.clip_by_global_norm(1.0), exdyna_jax.sparse_adamw(sparsifier(), 0.1)),
+      optax.chain(exdyna_jax.dense(), optax.adamw(0.1)),  # dense sends everything
+      exdyna_jax.local_steps(optax.adamw(0.1), sync_every=4, compressor=sparsifier()),
+      exdyna_jax.local_steps(optax.adamw(0.1), sync_every=4, compressor=exdyna_jax.dense(),
+                             outer=optax.sgd(0.7, momentum=0.9, nesterov=True)),
   ]
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     for tx in fine:
       exdyna_jax.data_parallel(tx, mesh).init(params())
+
+
+@pytest.mark.parametrize("tx", [
+    lambda: optax.chain(sparsifier(), optax.adam(0.1)),
+    lambda: optax.MultiSteps(optax.chain(sparsifier(), optax.sgd(0.1, momentum=0.9)), 4),
+    lambda: optax.inject_hyperparams(
+        lambda lr: optax.chain(sparsifier(), optax.sgd(lr, 0.9)))(0.1),
+    lambda: exdyna_jax.local_steps(optax.sgd(0.1), sync_every=4, compressor=sparsifier(),
+                                   outer=optax.sgd(0.7, momentum=0.9, nesterov=True)),
+], ids=["adam", "multi_steps_momentum", "inject_hyperparams_momentum", "local_steps_outer"])
+def test_momentum_or_adam_after_a_sparsifier_is_warned_about_by_data_parallel(tx):
+  """They get the bursts error feedback releases; the warning names what to use instead."""
+  with pytest.warns(UserWarning, match=r"follows a sparsifier.*sparse_adamw.*1 / \(1 - momentum\)"):
+    exdyna_jax.data_parallel(tx(), harness.mesh_of(NUM_WORKERS)).init(params())
 
 
 @pytest.mark.parametrize("leaves_out", ["masked", "multi_transform"])
