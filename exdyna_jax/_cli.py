@@ -35,6 +35,11 @@ examples:
   exdyna-jax demo --density 0.001 --density-warmup 25  25 %, 6.25 %, ... 0.1 %, 25 steps each
   exdyna-jax demo --processes 4 --link-rate 1gbit      4 processes behind 1 Gb/s links (root):
                                                        time to dense's accuracy
+  exdyna-jax demo --task lm                            a byte-level transformer, AdamW:
+                                                       dense vs exdyna (sparse_adamw)
+  exdyna-jax demo --task lm --sync-every 30 --density 0.05
+                                                       local steps: 5 % of the pseudo-gradient
+                                                       every 30 steps
 
 outputs (in --run-dir):
   metrics-<method>.jsonl  one line per step: loss, density, sent/k, threshold, overflow,
@@ -92,13 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fraction of gradient elements sent per step (default: 0.01)")
   demo.add_argument("--steps", type=_int_at_least(1), default=None,
                     help="training steps per method; with --processes, dense's steps "
-                    "(default: 500; 200 with --processes)")
+                    "(default: 500, 300 for the lm tasks; 200 with --processes)")
   demo.add_argument("--workers", type=_int_at_least(1), default=8,
                     help="simulated data-parallel workers (CPU devices) (default: 8)")
-  demo.add_argument("--batch-per-worker", type=_int_at_least(1), default=32,
-                    help="examples per worker per step (default: 32)")
-  demo.add_argument("--learning-rate", type=float, default=0.3,
-                    help="SGD learning rate (default: 0.3)")
+  demo.add_argument("--batch-per-worker", type=_int_at_least(1), default=None,
+                    help="examples per worker per step (default: 32; 8 for the lm tasks)")
+  demo.add_argument("--optimizer", choices=("sgd", "adamw"), default=None,
+                    help="sgd, or adamw (warm-up-cosine, clipping; after a sparsifier as "
+                    "exdyna_jax.sparse_adamw) (default: sgd; adamw for the lm tasks)")
+  demo.add_argument("--learning-rate", type=float, default=None,
+                    help="learning rate, AdamW's peak (default: 0.3; 3e-3 for the lm tasks)")
+  demo.add_argument("--sync-every", type=_int_at_least(1), default=1, metavar="H",
+                    help="local steps: every method but dense takes H steps alone and "
+                    "exchanges the pseudo-gradient at --density (exdyna_jax.local_steps; "
+                    "dense stays the per-step baseline) (default: 1, every step)")
   demo.add_argument("--momentum", type=float, default=0.0,
                     help="SGD momentum, applied after aggregation; with error feedback "
                     "at low density it amplifies stale bursts (default: 0)")
@@ -108,9 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
   demo.add_argument("--value-dtype", default="float32",
                     choices=("float32", "bfloat16", "float16"),
                     help="dtype the exchanged values are summed in (default: float32)")
-  demo.add_argument("--warmup-steps", type=int, default=0,
-                    help="linear learning-rate warm-up steps; helps very low densities "
-                    "(default: 0)")
+  demo.add_argument("--warmup-steps", type=int, default=None,
+                    help="learning-rate warm-up steps; helps very low densities "
+                    "(default: 0; 30 for the lm tasks)")
   demo.add_argument("--eval-every", type=_int_at_least(1), default=None,
                     help="evaluate on the test set every N steps (default: 25; 10 with "
                     "--processes)")
@@ -139,9 +151,10 @@ def _network_option(text: str) -> tuple[float, float] | str:
 def add_demo_outputs(demo: argparse.ArgumentParser) -> None:
   """The demo's task, cluster and output options."""
   demo.add_argument("--task", choices=sorted(TASKS), default=None,
-                    help="digits (85,002-parameter MLP) or digits-wide (4.3M; dense's "
-                    "exchange dominates its step on a slow link) (default: digits; "
-                    "digits-wide with --processes)")
+                    help="digits (85,002-parameter MLP), digits-wide (4.3M; dense's "
+                    "exchange dominates its step on a slow link), lm or lm-code (a byte-level "
+                    "transformer of 0.42M on Python's help topics or its source; AdamW, 300 "
+                    "steps) (default: digits; digits-wide with --processes)")
   cluster = demo.add_argument_group(
       "across processes on shaped links (needs root or an unprivileged user namespace)")
   cluster.add_argument("--processes", type=_int_at_least(2), default=None,
@@ -180,15 +193,25 @@ def _use_cpu_devices(count: int) -> None:
     pass
 
 
-def _demo_config(args: argparse.Namespace, *, steps: int, eval_every: int):
+# What a task trains with unless told otherwise: SGD on the digits, AdamW on the text.
+TASK_DEFAULTS = {
+    "digits": {"optimizer": "sgd", "learning_rate": 0.3, "batch_per_worker": 32,
+               "warmup_steps": 0},
+    "lm": {"optimizer": "adamw", "learning_rate": 3e-3, "batch_per_worker": 8,
+           "warmup_steps": 30},
+}
+
+
+def _demo_config(args: argparse.Namespace, *, task: str, steps: int, eval_every: int):
   from exdyna_jax import demo
 
+  defaults = TASK_DEFAULTS["lm" if task.startswith("lm") else "digits"]
+  given = {name: getattr(args, name) for name in defaults if getattr(args, name) is not None}
   return demo.TrainConfig(
-      steps=args.steps or steps, density=args.density, batch_per_worker=args.batch_per_worker,
-      learning_rate=args.learning_rate, momentum=args.momentum,
-      warmup_steps=args.warmup_steps, density_warmup=args.density_warmup,
-      value_dtype=args.value_dtype, network=args.network,
-      eval_every=args.eval_every or eval_every, seed=args.seed,
+      steps=args.steps or steps, density=args.density, momentum=args.momentum,
+      density_warmup=args.density_warmup, value_dtype=args.value_dtype, network=args.network,
+      eval_every=args.eval_every or eval_every, seed=args.seed, sync_every=args.sync_every,
+      **{**defaults, **given},
   )
 
 
@@ -199,8 +222,10 @@ def run_demo_command(args: argparse.Namespace) -> int:
   _use_cpu_devices(args.workers)
   from exdyna_jax import demo
 
+  task = args.task or "digits"
+  steps = 300 if task.startswith("lm") else 500
   demo.run_demo(
-      args.method, task=args.task or "digits", config=_demo_config(args, steps=500, eval_every=25),
+      args.method, task=task, config=_demo_config(args, task=task, steps=steps, eval_every=25),
       workers=args.workers, run_dir=args.run_dir, progress=not args.no_progress,
       plots=not args.no_plots, wide=args.wide,
   )
@@ -215,7 +240,8 @@ def run_cluster_demo_command(args: argparse.Namespace) -> int:
     cluster.run_cluster_demo(
         args.method, processes=args.processes, link_rate=args.link_rate or "1gbit",
         task=args.task or cluster.DEFAULT_TASK,
-        config=_demo_config(args, steps=200, eval_every=10), run_dir=args.run_dir,
+        config=_demo_config(args, task=args.task or cluster.DEFAULT_TASK, steps=200,
+                            eval_every=10), run_dir=args.run_dir,
         plots=not args.no_plots,
     )
   except PermissionError as error:

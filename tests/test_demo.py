@@ -203,3 +203,28 @@ def test_plots_show_each_partitions_share_and_the_bytes_against_dense():
     report.plot_bytes(ax, alone)
   assert ax.get_xscale() == "linear"
   plt.close("all")
+
+
+def test_the_lm_task_trains_a_transformer_with_adamw_and_local_steps(tmp_path):
+  """`--task lm --sync-every 2`: dense is per-step AdamW, ExDyna local steps of AdamW
+  exchanging the pseudo-gradient every 2 steps; the headline is the test loss."""
+  code = _cli.main([
+      "demo", "--task", "lm", "--sync-every", "2", "--density", "0.05", "--steps", "6",
+      "--warmup-steps", "2", "--eval-every", "3", "--batch-per-worker", "2", "--run-dir",
+      str(tmp_path),
+      "--no-progress", "--no-plots",
+  ])
+  assert code == 0
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config["optimizer"] == "adamw" and config["learning_rate"] == 3e-3
+  assert config["sync_every"] == 2 and config["batch_per_worker"] == 2
+  dense, exdyna = (report.read_json_lines(tmp_path / f"metrics-{m}.jsonl")
+                   for m in ("dense", "exdyna"))
+  assert "test_loss" in dense[2] and "test_loss" in exdyna[-1]
+  # Dense exchanges every step; ExDyna's stats count its syncs, one every 2 steps.
+  assert [r["bytes_sent"] > 0 for r in dense] == [True] * 6
+  assert [r["sent_over_k"] is not None for r in exdyna] == [False, True] * 3
+  assert [r["bytes_sent"] > 0 for r in exdyna] == [False, True] * 3
+  assert exdyna[-1]["test_loss"] < exdyna[2]["test_loss"]  # it learns between the evaluations
+  assert (tmp_path / "table.txt").read_text().splitlines()[1].split()[:3] == [
+      "method", "test", "loss"]

@@ -4,12 +4,15 @@
   (1,797 images, 10 classes); `digit_images` upsamples them to MNIST's 28x28.
 - `char_corpus`: English text that ships with Python itself (the help topics
   of ``pydoc_data``, falling back to the docstrings of standard modules),
-  encoded as bytes for a character-level language model.
+  encoded as bytes for a character-level language model; `code_corpus`:
+  the Python source of standard modules, the same way.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import pathlib
 from typing import NamedTuple
 
 import numpy as np
@@ -122,7 +125,33 @@ def char_corpus(max_chars: int | None = 400_000, test_fraction: float = 0.1) -> 
   Returns:
     The `CharCorpus`.
   """
-  text = _stdlib_text()
+  return _as_corpus(_stdlib_text(), max_chars, test_fraction)
+
+
+def code_corpus(max_chars: int | None = 400_000, test_fraction: float = 0.1) -> CharCorpus:
+  """Python source code that ships with Python (standard modules), as ASCII token ids.
+
+  A second corpus for the language-model benchmark, of another kind than
+  `char_corpus`'s English prose.
+
+  Args:
+    max_chars: keep at most this many characters (``None``: all).
+    test_fraction: share of the text (its end) held out for testing.
+
+  Returns:
+    The `CharCorpus`.
+  """
+  sources = []
+  for name in _DOCSTRING_MODULES:
+    try:
+      path = importlib.util.find_spec(name).origin
+      sources.append(pathlib.Path(path).read_text(encoding="utf-8", errors="replace"))
+    except (AttributeError, ImportError, OSError, TypeError):
+      continue
+  return _as_corpus("\n\n".join(sources), max_chars, test_fraction)
+
+
+def _as_corpus(text: str, max_chars: int | None, test_fraction: float) -> CharCorpus:
   if max_chars is not None:
     text = text[:max_chars]
   tokens = np.frombuffer(text.encode("ascii", errors="replace"), np.uint8).copy()

@@ -50,17 +50,18 @@ def summarize(run: MethodRun, dense_hlo_bytes: int | None) -> dict[str, Any]:
     A flat dict: the final metrics, ``density`` (mean achieved: indices
     transmitted / N), ``sent_over_k`` (median indices transmitted / k) and
     ``median_sent_error`` (median ``|transmitted / k - 1|``), both over the
-    steps after the first 20 (all steps for shorter runs),
+    exchanges after the first 20 (all of them for shorter runs),
     ``overflow_per_step`` (mean), ``hlo_bytes`` (the compiled step: every
     level of a density schedule), ``stats_bytes`` (the library's count, mean
-    over the steps: what was sent), ``ratio_to_dense`` (``stats_bytes`` over
+    over the steps, local ones included: what was sent), ``ratio_to_dense`` (``stats_bytes`` over
     dense's HLO bytes), ``median_step_ms``
     (without the first step) and ``final_loss`` (mean of the last 10 steps).
   """
   records = run.records
   stats_bytes = statistics.fmean(r["bytes_sent"] for r in records)
   timed = records[1:] or records
-  settled = records[20:] or records
+  exchanged = [r for r in records if r["sent_over_k"] is not None]  # all but local steps
+  settled = exchanged[20:] or exchanged
   summary = {"method": run.method, **run.final_metrics}
   summary.update(
       final_loss=statistics.fmean(r["loss"] for r in records[-10:]),

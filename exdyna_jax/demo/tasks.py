@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from exdyna_jax.demo import data
+from exdyna_jax.demo.language_model import language_model_task
 from exdyna_jax.demo.trainer import Task
 
 DIGITS_LAYER_SIZES = (64, 256, 256, 10)
@@ -106,4 +107,6 @@ def digits_task(layer_sizes: tuple[int, ...] = DIGITS_LAYER_SIZES) -> Task:
 TASKS = {
     "digits": digits_task,
     "digits-wide": lambda: digits_task(WIDE_DIGITS_LAYER_SIZES),
+    "lm": language_model_task,
+    "lm-code": lambda: language_model_task("code"),
 }

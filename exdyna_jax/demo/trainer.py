@@ -76,6 +76,14 @@ class TrainConfig:
     eval_every: evaluate on held-out data every this many steps.
     seed: seed of the parameters and of the batches (the same for every
       method, so runs differ only in the exchange).
+    optimizer: ``"sgd"`` (``learning_rate``, ``momentum``, a linear warm-up)
+      or ``"adamw"`` (peak ``learning_rate`` on a warm-up-cosine schedule,
+      weight decay 0.01, each worker's gradient clipped to norm 1; after a
+      sparsifier as `exdyna_jax.sparse_adamw`).
+    sync_every: 1: every method exchanges every step. ``H > 1``: every
+      method but ``dense`` runs `exdyna_jax.local_steps` (``H`` local steps
+      of the optimizer, the method exchanging the pseudo-gradient at
+      ``density``); ``dense`` stays the per-step baseline.
   """
 
   steps: int = 500
@@ -89,6 +97,8 @@ class TrainConfig:
   network: tuple[float, float] | str | None = None
   eval_every: int = 25
   seed: int = 0
+  optimizer: str = "sgd"
+  sync_every: int = 1
 
 
 def with_measured_network(config: TrainConfig, mesh: jax.sharding.Mesh) -> TrainConfig:
@@ -126,17 +136,40 @@ def sparsifier_for(
   return exdyna_jax.get_sparsifier(method, density=density, axis_name=AXIS, **options)
 
 
+ADAMW_WEIGHT_DECAY, ADAMW_CLIP = 0.01, 1.0
+
+
 def optimizer_for(method: str, config: TrainConfig) -> optax.GradientTransformation:
-  """``chain(sparsifier, sgd)``: the sparsifier first, on local gradients."""
+  """The optimizer of ``method`` under ``config``, its sparsifier on local gradients.
+
+  SGD: ``chain(sparsifier, sgd)``. AdamW: ``chain(dense(), clip, adamw)``
+  for ``dense``, ``chain(clip, sparse_adamw(sparsifier, ...))`` for the
+  others. With ``config.sync_every > 1`` every method but ``dense`` runs
+  local steps of the optimizer, the sparsifier exchanging pseudo-gradients.
+  """
+  sparsifier = sparsifier_for(method, density_of(config), config.value_dtype, config.network)
+  local = config.sync_every > 1 and method.lower() != "dense"
+  if config.optimizer == "adamw":
+    learning_rate = optax.warmup_cosine_decay_schedule(
+        0.0, config.learning_rate, config.warmup_steps, max(config.steps, config.warmup_steps + 1),
+        config.learning_rate / 10)
+    clip = optax.clip_by_global_norm(ADAMW_CLIP)
+    adamw = optax.chain(clip, optax.adamw(learning_rate, weight_decay=ADAMW_WEIGHT_DECAY))
+    if local:
+      return exdyna_jax.local_steps(adamw, sync_every=config.sync_every, compressor=sparsifier)
+    if method.lower() == "dense":
+      return optax.chain(sparsifier, adamw)
+    return optax.chain(clip, exdyna_jax.sparse_adamw(sparsifier, learning_rate,
+                                                     weight_decay=ADAMW_WEIGHT_DECAY))
   learning_rate: float | optax.Schedule = config.learning_rate
   if config.warmup_steps > 0:
     learning_rate = optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
-  return optax.chain(
-      sparsifier_for(method, density_of(config), config.value_dtype, config.network),
-      # No trace without momentum: its state would cost a step a pass over N (and, on
-      # XLA:CPU, copies of the largest leaves when the update is ExDyna's).
-      optax.sgd(learning_rate, momentum=config.momentum or None),
-  )
+  # No trace without momentum: its state would cost a step a pass over N (and, on
+  # XLA:CPU, copies of the largest leaves when the update is ExDyna's).
+  sgd = optax.sgd(learning_rate, momentum=config.momentum or None)
+  if local:
+    return exdyna_jax.local_steps(sgd, sync_every=config.sync_every, compressor=sparsifier)
+  return optax.chain(sparsifier, sgd)
 
 
 def make_mesh(num_workers: int) -> jax.sharding.Mesh:
@@ -227,9 +260,9 @@ class MethodRun:
   collectives: list[traffic.Collective]
 
 
-def _record(step, seconds, losses, stats, num_elements) -> dict[str, Any]:
-  stats = jax.device_get(stats)
-  transmitted = int(stats.transmitted)
+def _record(step, seconds, losses, stats, num_elements, exchanged) -> dict[str, Any]:
+  """A step's record; where it exchanged nothing (a local step), nothing sent and no sent/k."""
+  transmitted = int(stats.transmitted) if exchanged else 0
   return {
       "step": step,
       "loss": float(np.mean(losses)),
@@ -240,9 +273,9 @@ def _record(step, seconds, losses, stats, num_elements) -> dict[str, Any]:
       "target": int(stats.target),
       "overflow": int(stats.overflow),
       "density": transmitted / num_elements,
-      "sent_over_k": transmitted / int(stats.target),
+      "sent_over_k": transmitted / int(stats.target) if exchanged else None,
       "imbalance": float(stats.imbalance),
-      "bytes_sent": int(stats.bytes_sent),
+      "bytes_sent": int(stats.bytes_sent) if exchanged else 0,
       "partition_starts": stats.partition_starts.tolist(),
       "partition_sizes": stats.partition_sizes.tolist(),
   }
@@ -261,7 +294,8 @@ def train_method(
   what passed the threshold before the capacity limit), ``imbalance``,
   ``bytes_sent``, ``partition_starts``, ``partition_sizes``, ``target``: the
   step's ``k``), the achieved ``density`` (transmitted / N) and
-  ``sent_over_k`` (transmitted / k: what the user asked for is 1);
+  ``sent_over_k`` (transmitted / k: what the user asked for is 1; None, and
+  nothing transmitted or sent, on a local step between syncs);
   every ``eval_every`` steps and at the end also the `Task.evaluate` metrics.
 
   Args:
@@ -292,13 +326,16 @@ def train_method(
   if progress is not None:
     steps = progress(steps, method, config.steps)
   metrics: dict[str, float] = {}
+  exchanges = 0  # the sparsifier's steps so far: under local steps, its syncs
   for step in steps:
     inputs, targets = task.sample_batch(rng, global_batch)
     start = time.perf_counter()
     params, opt_state, losses = compiled.step(params, opt_state, (inputs, targets))
     losses = jax.device_get(losses)  # waits for the step
     seconds = time.perf_counter() - start
-    record = _record(step, seconds, losses, compiled.dp.stats(opt_state), num_elements)
+    stats = jax.device_get(compiled.dp.stats(opt_state))
+    exchanges, before = int(stats.step) + int(stats.skipped_steps), exchanges
+    record = _record(step, seconds, losses, stats, num_elements, exchanges > before)
     if step % config.eval_every == 0 or step == config.steps:
       metrics = {name: float(value) for name, value in evaluate(params).items()}
       record.update(metrics)
