@@ -19,6 +19,10 @@ cost                update time grid, inside a time budget (``cost.py``)
 cluster             the train step and time to accuracy over shaped links
                     (``cluster.py``; needs root, about an hour: only run
                     when named, ``--only cluster,report``)
+language_model      a byte-level transformer: test loss, bytes and time to
+                    dense's loss per exchange (``language_model.py``; about
+                    20 minutes: only run when named); language_model_code:
+                    the same on a second corpus (Python's source), fewer runs
 report              ``REPORT.md`` and plots (``report.py``)
 ==================  ==========================================================
 
@@ -47,9 +51,18 @@ PARTS = (
   "optimizer_state",
   "cost",
   "cluster",
+  "language_model",
+  "language_model_code",
   "report",
 )
-DEFAULT_PARTS = tuple(part for part in PARTS if part != "cluster")  # root and an hour
+# Only when named: root and an hour; twenty minutes.
+DEFAULT_PARTS = tuple(part for part in PARTS
+                      if part not in ("cluster", "language_model", "language_model_code"))
+
+
+# The second corpus: the baseline, per-step ExDyna both ways, DiLoCo and ExDyna's local steps.
+CODE_CORPUS_VARIANTS = ("ddp,exdyna@0.01,sparse_adamw@0.01,diloco@30,local@30@0.05,diloco@30:900,"
+                        "local@30@0.05:900")
 
 
 def commands(results: pathlib.Path, quick: bool, cost_budget: float) -> dict[str, list[str]]:
@@ -68,6 +81,9 @@ def commands(results: pathlib.Path, quick: bool, cost_budget: float) -> dict[str
     "optimizer_state": ["optimizer_state", *q, *out["optimizer_state"]],
     "cost": ["cost", *q, "--budget", str(cost_budget), *out["cost"]],
     "cluster": ["cluster", *q, *out["cluster"]],
+    "language_model": ["language_model", *q, *out["language_model"]],
+    "language_model_code": ["language_model", *q, "--corpus", "code", "--variants",
+                            CODE_CORPUS_VARIANTS, *out["language_model_code"]],
     "report": ["report", "--results", str(results)],
   }
 

@@ -259,11 +259,8 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str,
 
   def body(params, opt_state, batch, *args):
     opt_state = drop_worker_axis(opt_state)
-    if own_params:
-      outputs = per_worker_step(_local_steps.worker_params(opt_state, params), opt_state, batch,
-                                *args)
-    else:
-      outputs = per_worker_step(params, opt_state, batch, *args)
+    worker_params = _local_steps.worker_params(opt_state, params) if own_params else params
+    outputs = per_worker_step(worker_params, opt_state, batch, *args)
     _dp_checks.check_step_outputs(outputs, params, opt_state, per_worker_step)
     params, opt_state, *aux = outputs
     if own_params:

@@ -228,3 +228,13 @@ def test_the_lm_task_trains_a_transformer_with_adamw_and_local_steps(tmp_path):
   assert exdyna[-1]["test_loss"] < exdyna[2]["test_loss"]  # it learns between the evaluations
   assert (tmp_path / "table.txt").read_text().splitlines()[1].split()[:3] == [
       "method", "test", "loss"]
+
+
+def test_a_loss_is_reached_at_or_below_denses_and_an_accuracy_at_or_above():
+  from exdyna_jax.demo import cluster
+
+  run = {"curve": [(1.0, 10, 3.0, 0), (2.0, 20, 2.0, 0)], "higher_is_better": False}
+  assert cluster.time_to_target(run, 2.5) == 2.0 and cluster.time_to_target(run, 1.0) is None
+  assert cluster.time_to_target({**run, "higher_is_better": True}, 2.5) == 1.0
+  assert cluster.score_name({**run, "metric": "test_loss"}) == "test loss"
+  assert cluster.score_name({"curve": []}) == "test acc."  # runs recorded before the field

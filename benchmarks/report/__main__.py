@@ -4,7 +4,8 @@ Run: python -m benchmarks.report [--results DIR]
 
 Reads ``cost.json``, ``traffic.json``, ``collectives.json``,
 ``scale_model.json``, ``density_control.json``, ``training_options.json``,
-``profile.json``, ``optimizer_state.json``, ``cluster.json`` and ``gpu.json`` (any may be
+``profile.json``, ``optimizer_state.json``, ``cluster.json``, ``gpu.json``,
+``language_model.json`` and ``language_model_code.json`` (any may be
 missing; its section then says so) and writes ``REPORT.md`` plus ``*.png``
 next to them. Each section is a module of this package.
 """
@@ -16,7 +17,16 @@ import pathlib
 import sys
 
 from benchmarks import _common
-from benchmarks.report import cluster, cost, density, gpu, memory, scale, traffic
+from benchmarks.report import (
+    cluster,
+    cost,
+    density,
+    gpu,
+    language_model,
+    memory,
+    scale,
+    traffic,
+)
 from benchmarks.report._format import Report, load, table
 
 # ------------------------------------------------------------------------- header
@@ -71,7 +81,7 @@ def main():
   results = pathlib.Path(args.results)
   names = (
       "cost", "traffic", "collectives", "scale_model", "density_control", "training_options",
-      "profile", "optimizer_state", "cluster", "gpu",
+      "profile", "optimizer_state", "cluster", "gpu", "language_model", "language_model_code",
   )
   sources = {name: load(results, name) for name in names}
   rep = Report(results)
@@ -85,6 +95,8 @@ def main():
   memory.optimizer_state_section(rep, sources["optimizer_state"])
   cost.profile_section(rep, sources["profile"], sources["cost"])
   cluster.cluster_section(rep, sources["cluster"], table)
+  for name in ("language_model", "language_model_code"):  # the second corpus, if run
+    language_model.language_model_section(rep, sources[name], table, name)
   gpu.gpu_section(rep, sources["gpu"])
   targets = (
     "## Targets (N = 11.2M, n = 8, d = 0.001 unless stated)\n\n"

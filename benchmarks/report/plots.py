@@ -123,3 +123,24 @@ def step_curves(rates: Sequence[str], curves: dict[str, list[tuple[int, float]]]
   ax.set_title(title)
   ax.legend(fontsize=7, ncol=2)
   return fig
+
+
+def loss_curves(panels: Sequence[tuple[str, str, dict[str, list[tuple[float, float]]]]],
+                target: float):
+  """Panels ``(title, x label, {run: [(x, loss)]})``; a dashed line at ``target``.
+
+  ``ddp`` in black; a longer run (``name:steps``) dashed.
+  """
+  fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
+  palette = plt.get_cmap("tab20").colors
+  for ax, (title, xlabel, curves) in zip(axes[0], panels, strict=True):
+    for i, (name, points) in enumerate(curves.items()):
+      ax.plot(*zip(*points, strict=True), lw=1, label=name, ls="--" if ":" in name else "-",
+              color="k" if name == "ddp" else palette[i % len(palette)])
+    ax.axhline(target, color="k", ls="--", lw=0.8, label="ddp's final loss")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("test loss (nats per byte)")
+    ax.set_xscale("log")
+  axes[0][-1].legend(fontsize=6)
+  return fig

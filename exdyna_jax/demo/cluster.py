@@ -5,8 +5,9 @@
 each in a network namespace of its own behind a link shaped to 1 Gb/s both
 ways. Dense trains ``config.steps`` steps; every other method trains for as
 many wall-clock seconds. The table says when each method first reached
-dense's final test accuracy, beside the density it sent and its bytes; the
-plot draws test accuracy against seconds.
+dense's final score (test accuracy; test loss for the ``lm`` tasks),
+beside the density it sent and its bytes; the plot draws the score against
+seconds.
 
 From Python (as root, or in an unprivileged user namespace)::
 
@@ -93,8 +94,13 @@ def run_workers(command: Sequence[str], *, processes: int, link_rate: str | None
 
 
 def time_to_target(run: dict[str, Any], target: float) -> float | None:
-  """Seconds at ``run``'s first evaluation that reached ``target``, or None."""
-  return next((point[0] for point in run["curve"] if point[2] >= target), None)
+  """Seconds at ``run``'s first evaluation that reached ``target``, or None.
+
+  Reached: at or above it where a higher score is better (accuracy), at or
+  below it otherwise (loss).
+  """
+  sign = 1 if run.get("higher_is_better", True) else -1
+  return next((point[0] for point in run["curve"] if sign * point[2] >= sign * target), None)
 
 
 def dense_target(runs: Sequence[dict[str, Any]]) -> float:
@@ -117,7 +123,8 @@ def summary_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
         "method": run["variant"],
         "steps": str(run["steps"]),
         "step ms": f"{run['median_step_ms']:.0f}",
-        "test acc.": f"{run['curve'][-1][2]:.2%}",
+        score_name(run): (f"{run['curve'][-1][2]:.2%}" if run.get("higher_is_better", True)
+                          else f"{run['curve'][-1][2]:.4f}"),
         "s to dense's": "not reached" if reached is None else f"{reached:.1f}",
         "sooner": "" if reached is None or dense_time is None else f"{dense_time / reached:.2f}x",
         "density": f"{sum(sent) / len(sent) / run['num_elements']:.3%}",
@@ -125,6 +132,11 @@ def summary_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
         "vs dense": f"1/{dense['bytes_sent'] / run['bytes_sent']:.0f}",
     })
   return rows
+
+
+def score_name(run: dict[str, Any]) -> str:
+  """The table's name of ``run``'s score (runs recorded before the field: test accuracy)."""
+  return run.get("metric", "test_accuracy").replace("_", " ").replace("accuracy", "acc.")
 
 
 def told_network(asked: Sequence[float] | str | None, used: Sequence[float] | None) -> str:
@@ -144,7 +156,8 @@ def told_network(asked: Sequence[float] | str | None, used: Sequence[float] | No
 
 
 def plot_curves(runs: Sequence[dict[str, Any]], path: pathlib.Path, title: str) -> pathlib.Path:
-  """Test accuracy against wall-clock seconds, one line per variant; dense's score dotted."""
+  """The score (test accuracy, loss) against wall-clock seconds, one line per variant; dense's
+  final score dotted."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -157,7 +170,9 @@ def plot_curves(runs: Sequence[dict[str, Any]], path: pathlib.Path, title: str) 
             color="k" if run["variant"] == "dense" else None)
   ax.axhline(dense_target(runs), color="k", ls=":", lw=1, label="dense's final score")
   ax.set(xlabel="wall-clock seconds of training (evaluation excluded)",
-         ylabel="test accuracy", ylim=(0.5, 1.0), title=title)
+         ylabel=score_name(runs[0]).replace("acc.", "accuracy"), title=title)
+  if runs[0].get("higher_is_better", True):
+    ax.set_ylim(0.5, 1.0)
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -171,8 +186,10 @@ class ClusterDemoResult(NamedTuple):
   Attributes:
     run_dir: the directory holding every output.
     runs: one record per method (dense first): ``curve`` of ``(seconds,
-      step, test_accuracy, transmitted)`` points, ``steps``, ``seconds``,
-      ``bytes_sent`` per worker per step, ``num_elements``.
+      step, score, transmitted)`` points (the score: the task's first
+      metric, ``metric``, better higher where ``higher_is_better``),
+      ``steps``, ``seconds``, ``bytes_sent`` per worker per step (the run's
+      mean), ``num_elements``.
     table: the printed table.
     plot: the PNG path, or None.
   """
@@ -234,8 +251,9 @@ def run_cluster_demo(
             "as many seconds")
   told = told_network(config.network, runs[0].get("network"))
   header += f";\n{told}" if told else ""
-  legend = ("s to dense's = wall-clock seconds to dense's final test accuracy; density = "
-            "indices sent / N (at each evaluation); bytes per worker.")
+  legend = (f"s to dense's = wall-clock seconds to dense's final {score_name(runs[0])}; "
+            "density = indices sent / N (at each evaluation); bytes per worker, the run's "
+            "mean per step.")
   table = "\n".join([header, report.format_rows(summary_rows(runs)), *textwrap.wrap(legend, 100)])
   print(f"\n{table}", file=out)
   (run_dir / "table.txt").write_text(table + "\n")

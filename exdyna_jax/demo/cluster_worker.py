@@ -96,7 +96,7 @@ def train_timed(variant: str, task: Task, config: TrainConfig, mesh: jax.shardin
   # Compile off the clock: one step on copies (donated), thrown away.
   copies = jax.tree.map(jnp.copy, (params, opt_state))
   jax.block_until_ready(train_step(*copies, batch(np.random.default_rng(config.seed + 1))))
-  evaluate(params)
+  metric = next(iter(evaluate(params)))  # the task's headline: test accuracy, test loss
   rng = np.random.default_rng(config.seed)  # the same batches on every process and variant
   curve, step_seconds, seconds, step, done = [], [], 0.0, 0, False
   while not done:
@@ -108,17 +108,19 @@ def train_timed(variant: str, task: Task, config: TrainConfig, mesh: jax.shardin
     step += 1
     if step % config.eval_every == 0:  # every process decides alike: on the slowest one's clock
       seconds = barrier(seconds)
-      accuracy = float(evaluate(params)["test_accuracy"])
+      score = float(evaluate(params)[metric])
       transmitted = int(local_value(dp.stats(opt_state).transmitted))
-      curve.append((round(seconds, 4), step, accuracy, transmitted))
+      curve.append((round(seconds, 4), step, score, transmitted))
       done = step >= config.steps if budget is None else seconds >= budget
       if jax.process_index() == 0:
-        print(f"{variant}: step {step}, {seconds:.1f} s, test accuracy {accuracy:.4f}",
+        print(f"{variant}: step {step}, {seconds:.1f} s, {metric} {score:.4f}",
               file=sys.stderr, flush=True)
+  totals = exdyna_jax.read_totals(jax.tree.map(local_value, dp.stats(opt_state)))
   return {"variant": variant, "curve": curve, "steps": step, "seconds": seconds,
+          "metric": metric, "higher_is_better": task.higher_is_better,
           "median_step_ms": round(1e3 * float(np.median(step_seconds)), 2),
           "num_elements": sum(v.size for v in jax.tree.leaves(initial)),
-          "bytes_sent": int(local_value(dp.stats(opt_state).bytes_sent))}
+          "bytes_sent": totals["bytes_sent"] // step}
 
 
 def main(argv: list[str] | None = None) -> None:

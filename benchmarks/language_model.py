@@ -1,0 +1,174 @@
+"""A byte-level transformer language model: what each way of exchanging costs in quality.
+
+The demo's decoder-only transformer (Flax NNX, `exdyna_jax.demo.language_model`)
+learns next-byte prediction on text that ships with Python (the help
+topics, or with ``--corpus code`` the source of standard modules) on ``--workers`` forced
+CPU devices, one worker each, with AdamW, gradient clipping and a
+warm-up-cosine schedule. Every variant sees the same batches. Each run
+records its test loss (nats per byte) against tokens, the seconds of its
+steps, and the bytes each worker sent (the stats' ring-collective count).
+
+Variants (``--variants``, comma-separated; ``:STEPS`` after one runs it
+that many steps, its schedule stretched to match):
+
+- ``ddp``: dense all-reduce, ``chain(dense(), clip, adamw)``;
+- ``exdyna@D``: per-step ExDyna then AdamW, ``chain(exdyna(D), clip, adamw)``;
+- ``sparse_adamw@D``: ``chain(clip, sparse_adamw(exdyna(D), ...))``;
+- ``diloco@H``: `local_steps` of ``chain(clip, adamw)``, ``dense()``, outer
+  Nesterov (0.7, 0.9);
+- ``local@H@D``: `local_steps` with ``exdyna(D)`` and the default outer
+  step (rate 1); ``local@H@D@bf16``: bfloat16 values;
+- ``topk`` for ``exdyna`` in a name (``topk@D``, ``sparse_adamw_topk@D``,
+  ``local_topk@H@D``): Top-k in the same role.
+
+The report (`benchmarks/report/language_model.py`) compares every run with
+``ddp``'s final test loss: at equal tokens, and the step, bytes and
+alpha-beta network time at which each first reaches it.
+
+Run: python -m benchmarks.language_model [--quick] [--variants ddp,local@30@0.05:900]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import time
+from collections.abc import Sequence
+
+import jax
+
+if __name__ == "__main__":
+  jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np
+import optax
+
+import exdyna_jax
+from benchmarks import _common
+from exdyna_jax.demo.language_model import language_model_task
+from exdyna_jax.demo.trainer import Task
+
+DEFAULT_VARIANTS = (
+    "ddp,exdyna@0.01,sparse_adamw@0.01,exdyna@0.001,sparse_adamw@0.001,"
+    "diloco@30,local@30@0.05,local@30@0.02@bf16,diloco@30:900,local@30@0.05:900,"
+    "local@30@0.02@bf16:900"
+)
+
+
+def parse_variant(spec: str, default_steps: int) -> tuple[str, list[str], int]:
+  """``"local@30@0.05:900"`` -> ``("local", ["30", "0.05"], 900)``."""
+  name, _, steps = spec.partition(":")
+  kind, *rest = name.split("@")
+  return kind, rest, int(steps) if steps else default_steps
+
+
+def optimizer(kind: str, rest: list[str], steps: int, args: argparse.Namespace
+              ) -> optax.GradientTransformation:
+  """The optimizer a variant names (see the module docstring)."""
+  lr = optax.warmup_cosine_decay_schedule(0.0, args.learning_rate, args.warmup, steps,
+                                          args.learning_rate / 10)
+  clip = optax.clip_by_global_norm(args.clip)
+  adamw = optax.chain(clip, optax.adamw(lr, weight_decay=args.weight_decay))
+  method = "topk" if kind.endswith("topk") else "exdyna"
+  base = kind.removesuffix("_topk")
+
+  def compressor(density: str, value_dtype: str = "float32"):
+    return exdyna_jax.get_sparsifier(method, density=float(density), value_dtype=value_dtype)
+
+  if base == "ddp":
+    return optax.chain(exdyna_jax.dense(), adamw)
+  if base in ("exdyna", "topk"):
+    return optax.chain(compressor(rest[0]), adamw)
+  if base == "sparse_adamw":
+    return optax.chain(clip, exdyna_jax.sparse_adamw(compressor(rest[0]), lr,
+                                                     weight_decay=args.weight_decay))
+  if base == "diloco":
+    return exdyna_jax.local_steps(
+        adamw, sync_every=int(rest[0]), compressor=exdyna_jax.dense(),
+        outer=optax.sgd(args.outer_learning_rate, momentum=0.9, nesterov=True))
+  if base == "local":
+    value_dtype = {"bf16": "bfloat16"}.get(rest[2], rest[2]) if len(rest) > 2 else "float32"
+    return exdyna_jax.local_steps(adamw, sync_every=int(rest[0]),
+                                  compressor=compressor(rest[1], value_dtype))
+  raise ValueError(f"unknown variant {kind!r}")
+
+
+def run_variant(spec: str, args: argparse.Namespace, task: Task, mesh: jax.sharding.Mesh
+                ) -> dict:
+  """Trains one variant from the same initial model on the same batches."""
+  kind, rest, steps = parse_variant(spec, args.steps)
+  params = task.init_params(jax.random.key(args.seed))
+  tx = optimizer(kind, rest, steps, args)
+  dp = exdyna_jax.data_parallel(tx, mesh)
+
+  @dp.step
+  def train_step(params, opt_state, batch):
+    grads = jax.grad(task.loss_fn)(params, *batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  evaluate = jax.jit(lambda params: task.evaluate(params)["test_loss"])
+  opt_state = dp.init(params)
+  rng = np.random.default_rng(args.seed)
+  global_batch = args.batch_per_worker * mesh.size
+  curve, seconds = [{"step": 0, "seconds": 0.0, "test_loss": float(evaluate(params))}], 0.0
+  for step in range(1, steps + 1):
+    batch = task.sample_batch(rng, global_batch)
+    start = time.perf_counter()
+    params, opt_state = train_step(params, opt_state, batch)
+    jax.block_until_ready(params)  # one step at a time: collectives of 8 CPU devices
+    elapsed = time.perf_counter() - start
+    seconds += 2 * elapsed if step == 2 else elapsed if step > 2 else 0.0  # step 1 compiles
+    if step % args.eval_every == 0 or step == steps:
+      curve.append({"step": step, "seconds": seconds, "test_loss": float(evaluate(params))})
+  totals = exdyna_jax.read_totals(dp.stats(opt_state))
+  return {"variant": spec, "steps": steps, "curve": curve,
+          "tokens_per_step": global_batch * args.context,
+          "exchanges": totals["steps"], "bytes_sent": totals["bytes_sent"],
+          "transmitted": totals["transmitted"], "target": totals["target"],
+          "seconds": seconds}
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--variants", default=DEFAULT_VARIANTS)
+  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--workers", type=int, default=8)
+  parser.add_argument("--corpus", choices=("docs", "code"), default="docs",
+                      help="Python's help topics (English) or its standard modules' source")
+  parser.add_argument("--batch-per-worker", type=int, default=8)
+  parser.add_argument("--context", type=int, default=64)
+  parser.add_argument("--width", type=int, default=128)
+  parser.add_argument("--layers", type=int, default=2)
+  parser.add_argument("--heads", type=int, default=4)
+  parser.add_argument("--learning-rate", type=float, default=3e-3)
+  parser.add_argument("--outer-learning-rate", type=float, default=0.7)
+  parser.add_argument("--warmup", type=int, default=30)
+  parser.add_argument("--weight-decay", type=float, default=0.01)
+  parser.add_argument("--clip", type=float, default=1.0)
+  parser.add_argument("--eval-every", type=int, default=25)
+  parser.add_argument("--test-windows", type=int, default=256)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--quick", action="store_true", help="a few steps of a tiny model")
+  parser.add_argument("--out", type=pathlib.Path, default=_common.RESULTS / "language_model.json")
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.steps, args.warmup, args.eval_every, args.width, args.test_windows = 8, 2, 4, 16, 16
+    args.variants = "ddp,sparse_adamw@0.05,local@4@0.1:16"
+  task = language_model_task(args.corpus, context=args.context, width=args.width,
+                             layers=args.layers, heads=args.heads,
+                             test_windows=args.test_windows)
+  mesh = _common.mesh_of(args.workers)
+  config = {key: value for key, value in vars(args).items() if key not in ("out", "quick")}
+  payload = {"config": config, "runs": []}
+  for spec in args.variants.split(","):
+    run = run_variant(spec, args, task, mesh)
+    payload["runs"].append(run)
+    _common.log(f"{spec:28s} test loss {run['curve'][-1]['test_loss']:.4f}  sent "
+                f"{run['bytes_sent'] / 1e6:10.3f} MB  {run['seconds']:7.1f} s")
+    _common.write_json(args.out, payload)  # after every run: a long sweep keeps what it has
+  return payload
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,101 @@
+"""The REPORT section of the language-model benchmark (`language_model.py`).
+
+Every run is compared with ``ddp``'s final test loss: at equal steps (the
+runs of ``ddp``'s length), and by when it first reaches that loss: the
+step, the bytes each worker had sent, and the time an alpha-beta network
+would have taken (the steps' measured seconds here, plus every exchange's
+messages and bytes on 1 Gb/s and 100 Mb/s links).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from benchmarks.report import plots
+
+MESSAGE_SECONDS = 1e-3  # the emulated cluster's cost of a message is 2-4 ms
+RATES = {"1 Gb/s": 1.25e8, "100 Mb/s": 1.25e7}  # bytes per second
+
+
+def messages_per_exchange(variant: str, workers: int) -> int:
+  """An all-reduce's ``2 ceil(log2 n)`` messages for ``dense()``; two all-gathers and an
+  all-reduce (``4 ceil(log2 n)``) for a sparsifier."""
+  rounds = 1 if variant == "ddp" or variant.startswith("diloco") else 2
+  return rounds * 2 * math.ceil(math.log2(workers))
+
+
+def at_target(run: dict, target: float) -> dict | None:
+  """The first evaluation at or below ``target``, or None."""
+  return next((point for point in run["curve"] if point["test_loss"] <= target), None)
+
+
+def network_seconds(run: dict, step: int, workers: int, rate: float) -> float:
+  """Seconds ``run``'s exchanges up to ``step`` take on the alpha-beta network."""
+  exchanges = run["exchanges"] * step / run["steps"]
+  sent = run["bytes_sent"] * step / run["steps"]
+  return exchanges * messages_per_exchange(run["variant"], workers) * MESSAGE_SECONDS + sent / rate
+
+
+def _rows(data: dict[str, Any], ddp: dict) -> list[list[str]]:
+  target, workers = ddp["curve"][-1]["test_loss"], data["config"]["workers"]
+  rows = []
+  for run in data["runs"]:
+    final = run["curve"][-1]["test_loss"]
+    same_length = run["steps"] == ddp["steps"]
+    reached = at_target(run, target)
+    cells = ["not reached"] * (2 + len(RATES))
+    if reached:
+      step = reached["step"]
+      cells = [str(step), f"{run['bytes_sent'] * step / run['steps'] / 2**20:.2f}"]
+      cells += [f"{reached['seconds'] + network_seconds(run, step, workers, rate):.0f}"
+                for rate in RATES.values()]
+    rows.append([
+        f"`{run['variant']}`", str(run["steps"]), f"{final:.3f}",
+        f"{final / target - 1:+.1%}" if same_length else "",
+        f"{run['bytes_sent'] / 2**20:.2f}",
+        f"{ddp['bytes_sent'] / run['bytes_sent']:,.0f}x" if run is not ddp else "1x",
+        f"{run['transmitted'] / run['target']:.3f}" if run["variant"] != "ddp" else "",
+        *cells,
+    ])
+  return rows
+
+
+def language_model_section(rep, data: dict[str, Any] | None, table, name: str) -> None:
+  """Adds the section of ``name``.json (a corpus's runs), its table and its plots."""
+  corpus = data["config"]["corpus"] if data else name
+  if not rep.begin(f"## Language model ({corpus} corpus): quality, bytes and time to dense's "
+                   f"loss", data, f"{name}.json (python -m benchmarks.language_model)"):
+    return
+  ddp = next((run for run in data["runs"] if run["variant"] == "ddp"), None)
+  if ddp is None:
+    rep.add("_No `ddp` run to compare with._")
+    return
+  config = data["config"]
+  rep.add(
+      f"A byte-level decoder transformer (Flax NNX; width {config['width']}, "
+      f"{config['layers']} blocks, context {config['context']}) on the `{config['corpus']}` "
+      f"corpus, {config['workers']} workers of {config['batch_per_worker']} sequences each, "
+      f"AdamW (peak {config['learning_rate']}, warm-up-cosine, weight decay "
+      f"{config['weight_decay']}, clipping {config['clip']}); the same batches for every run. "
+      "Test loss in nats per byte. Bytes: what each worker sent over its run (the stats' ring "
+      "count). `sent/k`: indices transmitted over the `k` asked for. Time to `ddp`'s final "
+      f"loss: the steps' seconds measured here (all {config['workers']} workers on this "
+      f"machine's cores, so compute is overstated) plus, per exchange, {MESSAGE_SECONDS * 1e3:.0f} "
+      "ms a message and the bytes at the link's rate."
+  )
+  header = ["run", "steps", "final test loss", "vs ddp, equal steps", "MiB sent", "ddp bytes /",
+            "sent/k", "steps to ddp's loss", "MiB to it",
+            *(f"seconds to it, {name}" for name in RATES)]
+  rep.add(table(header, _rows(data, ddp)))
+  by_tokens = {run["variant"]: [(p["step"] * run["tokens_per_step"], p["test_loss"])
+                                for p in run["curve"][1:]] for run in data["runs"]}
+  slow = RATES["100 Mb/s"]
+  by_seconds = {run["variant"]: [(p["seconds"] + network_seconds(
+      run, p["step"], config["workers"], slow), p["test_loss"]) for p in run["curve"][1:]]
+      for run in data["runs"]}
+  target = ddp["curve"][-1]["test_loss"]
+  rep.add(rep.save_plot(plots.loss_curves(
+      [("test loss against tokens", "tokens", by_tokens),
+       ("against seconds, 100 Mb/s (model)", "seconds", by_seconds)], target),
+      f"{name}.png"))

@@ -1,0 +1,26 @@
+"""The language-model benchmark runs as documented, and its REPORT section reads its results."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import language_model
+from benchmarks.report import _format
+from benchmarks.report import language_model as section
+
+
+def test_quick_run_records_each_variant_and_the_report_compares_them_with_ddp(tmp_path):
+  out = tmp_path / "language_model.json"
+  language_model.main(["--quick", "--out", str(out)])
+  data = json.loads(out.read_text())
+  runs = {run["variant"]: run for run in data["runs"]}
+  assert list(runs) == ["ddp", "sparse_adamw@0.05", "local@4@0.1:16"]
+  assert runs["ddp"]["exchanges"] == 8 and runs["local@4@0.1:16"]["exchanges"] == 4  # syncs
+  assert runs["local@4@0.1:16"]["bytes_sent"] < runs["ddp"]["bytes_sent"] / 5
+  assert [p["step"] for p in runs["local@4@0.1:16"]["curve"]] == [0, 4, 8, 12, 16]
+
+  report = _format.Report(tmp_path)
+  section.language_model_section(report, data, _format.table, "language_model")
+  text = "\n".join(report.parts)
+  assert "| `local@4@0.1:16` | 16 |" in text and "steps to ddp's loss" in text
+  assert (tmp_path / "language_model.png").exists()
