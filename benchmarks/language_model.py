@@ -153,8 +153,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
   parser.add_argument("--out", type=pathlib.Path, default=_common.RESULTS / "language_model.json")
   args = parser.parse_args(argv)
   if args.quick:
-    args.steps, args.warmup, args.eval_every, args.width, args.test_windows = 8, 2, 4, 16, 16
-    args.variants = "ddp,sparse_adamw@0.05,local@4@0.1:16"
+    args.steps, args.warmup, args.eval_every, args.test_windows = 8, 2, 4, 16
+    args.width, args.layers, args.heads, args.context = 16, 1, 2, 16
+    args.variants = "ddp,local@4@0.1:16"
   task = language_model_task(args.corpus, context=args.context, width=args.width,
                              layers=args.layers, heads=args.heads,
                              test_windows=args.test_windows)

@@ -57,6 +57,14 @@ def scale_by_local_rms(b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTr
 
   Returns:
     The optax transformation; its state is a `LocalRMSState`.
+
+  Example:
+    >>> import jax.numpy as jnp, exdyna_jax
+    >>> tx = exdyna_jax.scale_by_local_rms()
+    >>> g = jnp.array([0.5, -4.0])
+    >>> updates, state = tx.update(g, tx.init(g))
+    >>> updates.round(4)  # the first step: g / |g|, as Adam's first step
+    Array([ 1., -1.], dtype=float32)
   """
 
   def init_fn(params):

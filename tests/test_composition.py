@@ -273,12 +273,9 @@ def test_a_stateful_transform_before_the_sparsifier_is_warned_about_by_data_para
     )
   fine = [
       optax.chain(sparsifier(), optax.sgd(0.1)),
-      optax.MultiSteps(optax.chain(sparsifier(), optax.sgd(0.1)), 4),
       optax.chain(optax.clip_by_global_norm(1.0), exdyna_jax.sparse_adamw(sparsifier(), 0.1)),
       optax.chain(exdyna_jax.dense(), optax.adamw(0.1)),  # dense sends everything
       exdyna_jax.local_steps(optax.adamw(0.1), sync_every=4, compressor=sparsifier()),
-      exdyna_jax.local_steps(optax.adamw(0.1), sync_every=4, compressor=exdyna_jax.dense(),
-                             outer=optax.sgd(0.7, momentum=0.9, nesterov=True)),
   ]
   with warnings.catch_warnings():
     warnings.simplefilter("error")

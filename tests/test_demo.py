@@ -205,29 +205,34 @@ def test_plots_show_each_partitions_share_and_the_bytes_against_dense():
   plt.close("all")
 
 
-def test_the_lm_task_trains_a_transformer_with_adamw_and_local_steps(tmp_path):
-  """`--task lm --sync-every 2`: dense is per-step AdamW, ExDyna local steps of AdamW
-  exchanging the pseudo-gradient every 2 steps; the headline is the test loss."""
-  code = _cli.main([
-      "demo", "--task", "lm", "--sync-every", "2", "--density", "0.05", "--steps", "6",
-      "--warmup-steps", "2", "--eval-every", "3", "--batch-per-worker", "2", "--run-dir",
-      str(tmp_path),
-      "--no-progress", "--no-plots",
-  ])
-  assert code == 0
-  config = json.loads((tmp_path / "config.json").read_text())
-  assert config["optimizer"] == "adamw" and config["learning_rate"] == 3e-3
-  assert config["sync_every"] == 2 and config["batch_per_worker"] == 2
-  dense, exdyna = (report.read_json_lines(tmp_path / f"metrics-{m}.jsonl")
-                   for m in ("dense", "exdyna"))
-  assert "test_loss" in dense[2] and "test_loss" in exdyna[-1]
-  # Dense exchanges every step; ExDyna's stats count its syncs, one every 2 steps.
-  assert [r["bytes_sent"] > 0 for r in dense] == [True] * 6
-  assert [r["sent_over_k"] is not None for r in exdyna] == [False, True] * 3
-  assert [r["bytes_sent"] > 0 for r in exdyna] == [False, True] * 3
-  assert exdyna[-1]["test_loss"] < exdyna[2]["test_loss"]  # it learns between the evaluations
-  assert (tmp_path / "table.txt").read_text().splitlines()[1].split()[:3] == [
-      "method", "test", "loss"]
+def test_the_lm_tasks_default_to_adamw_and_sync_every_reaches_the_config():
+  args = _cli.build_parser().parse_args(["demo", "--task", "lm", "--sync-every", "30"])
+  config = _cli._demo_config(args, task="lm", steps=300, eval_every=25)
+  assert (config.optimizer, config.learning_rate, config.batch_per_worker) == ("adamw", 3e-3, 8)
+  assert config.sync_every == 30 and config.steps == 300
+  args = _cli.build_parser().parse_args(["demo", "--learning-rate", "0.1"])
+  config = _cli._demo_config(args, task="digits", steps=500, eval_every=25)
+  assert (config.optimizer, config.learning_rate, config.sync_every) == ("sgd", 0.1, 1)
+
+
+def test_local_steps_of_adamw_on_the_language_model_record_their_syncs():
+  """The demo's trainer on a small `lm` model, ExDyna local steps of AdamW exchanging the
+  pseudo-gradient every 2 steps: local steps send nothing and carry no sent/k."""
+  import jax
+
+  from exdyna_jax.demo import language_model, trainer
+
+  task = language_model.language_model_task(context=16, width=16, layers=1, heads=2,
+                                            test_windows=8)
+  config = trainer.TrainConfig(steps=6, density=0.05, batch_per_worker=2, learning_rate=3e-3,
+                               warmup_steps=2, eval_every=3, optimizer="adamw", sync_every=2)
+  run = trainer.train_method("exdyna", task, config, trainer.make_mesh(jax.device_count()))
+  assert [r["sent_over_k"] is not None for r in run.records] == [False, True] * 3
+  assert [r["bytes_sent"] > 0 for r in run.records] == [False, True] * 3
+  assert 0.5 < run.records[-1]["sent_over_k"] < 1.5
+  assert run.records[-1]["test_loss"] < run.records[2]["test_loss"]  # it learns
+  summary = report.summarize(run, None)
+  assert summary["density"] < 0.05 * 1.5 / 2  # a sync's density, every second step
 
 
 def test_a_loss_is_reached_at_or_below_denses_and_an_accuracy_at_or_above():

@@ -115,7 +115,9 @@ def train_timed(variant: str, task: Task, config: TrainConfig, mesh: jax.shardin
       if jax.process_index() == 0:
         print(f"{variant}: step {step}, {seconds:.1f} s, {metric} {score:.4f}",
               file=sys.stderr, flush=True)
-  totals = exdyna_jax.read_totals(jax.tree.map(local_value, dp.stats(opt_state)))
+  # The stats are the same on every worker: this process's copy of them, whole.
+  totals = exdyna_jax.read_totals(jax.tree.map(
+      lambda x: np.asarray(x.addressable_shards[0].data), dp.stats(opt_state)))
   return {"variant": variant, "curve": curve, "steps": step, "seconds": seconds,
           "metric": metric, "higher_is_better": task.higher_is_better,
           "median_step_ms": round(1e3 * float(np.median(step_seconds)), 2),
