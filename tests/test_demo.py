@@ -229,6 +229,7 @@ def test_local_steps_of_adamw_on_the_language_model_record_their_syncs():
   run = trainer.train_method("exdyna", task, config, trainer.make_mesh(jax.device_count()))
   assert [r["sent_over_k"] is not None for r in run.records] == [False, True] * 3
   assert [r["bytes_sent"] > 0 for r in run.records] == [False, True] * 3
+  assert all(r["overflow"] == 0 for r in run.records[::2])
   assert 0.5 < run.records[-1]["sent_over_k"] < 1.5
   assert run.records[-1]["test_loss"] < run.records[2]["test_loss"]  # it learns
   summary = report.summarize(run, None)

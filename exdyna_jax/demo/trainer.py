@@ -261,7 +261,8 @@ class MethodRun:
 
 
 def _record(step, seconds, losses, stats, num_elements, exchanged) -> dict[str, Any]:
-  """A step's record; where it exchanged nothing (a local step), nothing sent and no sent/k."""
+  """A step's record; where it exchanged nothing (a local step): nothing sent or left over, and
+  no sent/k."""
   transmitted = int(stats.transmitted) if exchanged else 0
   return {
       "step": step,
@@ -271,7 +272,7 @@ def _record(step, seconds, losses, stats, num_elements, exchanged) -> dict[str, 
       "selected": int(stats.selected),
       "transmitted": transmitted,
       "target": int(stats.target),
-      "overflow": int(stats.overflow),
+      "overflow": int(stats.overflow) if exchanged else 0,
       "density": transmitted / num_elements,
       "sent_over_k": transmitted / int(stats.target) if exchanged else None,
       "imbalance": float(stats.imbalance),
