@@ -141,10 +141,10 @@ def _patched(patch: str | None):
       output, stats = step()
       return output, stats._replace(nonfinite=screened.nonfinite)
 
-    def no_screen(values, recorded_workers, num_workers, axis_name):
+    def no_screen(values, stats, num_workers, axis_name, **unused_kwargs):
       # An opaque zero: a constant would let XLA fold the step's select away.
       zero = jax.lax.axis_index(axis_name) * 0
-      return _guard.Screen(zero, zero > 0)
+      return _guard.Screen(zero, zero > 0, zero)
 
     saved = {
       (_guard, "screen"): no_screen,

@@ -55,4 +55,4 @@ __all__ = [
     "train_state_step",
 ]
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"

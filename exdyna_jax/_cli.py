@@ -98,8 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
   demo.add_argument("--steps", type=_int_at_least(1), default=None,
                     help="training steps per method; with --processes, dense's steps "
                     "(default: 500, 300 for the lm tasks; 200 with --processes)")
-  demo.add_argument("--workers", type=_int_at_least(1), default=8,
-                    help="simulated data-parallel workers (CPU devices) (default: 8)")
+  demo.add_argument("--workers", type=_int_at_least(1), default=None,
+                    help="simulated data-parallel workers (CPU devices) of a one-process run "
+                    "(default: 8; with --processes each process is one worker)")
   demo.add_argument("--batch-per-worker", type=_int_at_least(1), default=None,
                     help="examples per worker per step (default: 32; 8 for the lm tasks)")
   demo.add_argument("--optimizer", choices=("sgd", "adamw"), default=None,
@@ -258,6 +259,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   """Entry point of ``exdyna-jax``; returns the exit status."""
   parser = build_parser()
   args = parser.parse_args(argv)
+  if args.command == "demo" and args.processes is not None and args.workers is not None:
+    parser.error("--workers sets the simulated workers of a one-process run; with "
+                 "--processes each process is one worker: drop --workers")
+  if args.command == "demo" and args.workers is None:
+    args.workers = 8
   if args.command == "demo" and args.link_rate is not None:
     if args.processes is None:
       parser.error("--link-rate needs --processes")

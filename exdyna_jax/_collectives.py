@@ -11,10 +11,13 @@ collective sends per worker (the model `SparsifierStats.bytes_sent` uses).
 
 from __future__ import annotations
 
+import functools
 import weakref
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 INDEX_BYTES = 4
@@ -41,6 +44,10 @@ def axis_of(tx: optax.GradientTransformation) -> str | None:
     return None
 
 
+class UnboundAxisError(ValueError):
+  """A collective's axis is not bound where it runs (`axis_size`)."""
+
+
 def axis_size(axis_name: str, *, unbound_message: str | None = None) -> int:
   """Number of workers on ``axis_name``, with an error that says how to bind it.
 
@@ -50,12 +57,12 @@ def axis_size(axis_name: str, *, unbound_message: str | None = None) -> int:
       how to run a sparsifier per worker).
 
   Raises:
-    ValueError: if ``axis_name`` is not bound in the calling context.
+    UnboundAxisError: if ``axis_name`` is not bound in the calling context.
   """
   try:
     return jax.lax.axis_size(axis_name)
   except NameError:
-    raise ValueError(
+    raise UnboundAxisError(
         unbound_message
         or f"Axis {axis_name!r} is not bound. A sparsifier's init() and update() run "
         "per worker: call them inside jax.shard_map (mesh axis "
@@ -175,7 +182,7 @@ def concatenate_ragged(
   return jax.lax.psum(mine, axis_name) - 1, offsets
 
 
-REDUCTIONS = ("mean", "sum")
+REDUCTIONS = ("mean", "sum", "same")
 
 
 def check_reduction(how: str, where: str) -> None:
@@ -193,9 +200,10 @@ def no_rule_error(changed: str, mean_rule: str) -> TypeError:
   """
   return TypeError(
       f"The step changes {changed}, which each worker computes from its own batch, so the "
-      f"workers' values differ. Say how to combine them: {mean_rule} for an average "
-      "(BatchNorm statistics), or 'sum' to add up each worker's change (counters, metric "
-      "totals)."
+      f"workers' values may differ. Say how to combine them: {mean_rule} for an average "
+      "(BatchNorm statistics), 'sum' to add up each worker's change (example counts, metric "
+      "totals), or 'same' for a value every worker computes alike (a step counter: kept, "
+      "and checked equal)."
   )
 
 
@@ -206,16 +214,44 @@ def combine_workers(how: str, before: jax.Array, after: jax.Array, axis_name: st
   For state a step changes outside the optimizer (BatchNorm statistics, metric
   totals), which each worker computes from its own batch: ``"mean"`` averages
   the workers' values; ``"sum"`` adds each worker's change to ``before``
-  (counts, totals), so a counter counts every worker's examples once.
+  (counts, totals), so a counter counts every worker's examples once;
+  ``"same"`` keeps a value every worker computes alike (a step counter) and
+  checks that they do (`same_on_every_worker`).
 
   Raises:
     TypeError: for ``"mean"`` of integers (``name`` says which value).
   """
   if how == "mean":
     if not jnp.issubdtype(after.dtype, jnp.inexact):
-      raise TypeError(f"reduce='mean' for {name} of dtype {after.dtype}: use 'sum' for counts.")
+      raise TypeError(
+          f"reduce='mean' for {name} of dtype {after.dtype}: use 'sum' for counts of each "
+          "worker's examples, or 'same' for a counter every worker advances alike.")
     return jax.lax.pmean(after, axis_name)
+  if how == "same":
+    return same_on_every_worker(after, axis_name, name=name)
   return before + jax.lax.psum(after - before, axis_name)
+
+
+def same_on_every_worker(value: jax.Array, axis_name: str, *, name: str) -> jax.Array:
+  """``value``, which every worker must hold alike; a step where they differ stops.
+
+  One ``pmin`` and one ``pmax`` tell every worker the range; where it is not a
+  single value, the step raises on the host (a `ValueError` naming ``name``,
+  surfacing as a ``JaxRuntimeError`` under ``jit``).
+  """
+  as_int = value.dtype == jnp.bool_
+  low, high = (reduce(value.astype(jnp.int32) if as_int else value, axis_name)
+               for reduce in (jax.lax.pmin, jax.lax.pmax))
+  jax.debug.callback(functools.partial(_raise_if_differ, name=name), jnp.any(low != high))
+  return high.astype(value.dtype)
+
+
+def _raise_if_differ(differ: Any, *, name: str) -> None:
+  if bool(np.any(differ)):
+    raise ValueError(
+        f"reduce='same' for {name}, but the workers' values differ: it depends on each "
+        "worker's batch. Use 'mean' to average it or 'sum' to add up each worker's change."
+    )
 
 
 def ring_all_gather_bytes(num_workers: int, message_bytes: int) -> int:

@@ -71,7 +71,7 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     layout, num_workers = _feedback.check_update(updates, state, params, axis_name)
-    screened = _guard.screen(updates, state.stats.num_workers, num_workers, axis_name)
+    screened = _guard.screen(updates, state.stats, num_workers, axis_name)
     total = jax.lax.psum(
         jax.tree.map(lambda g: g.astype(_layout.ACCUMULATION_DTYPE), updates), axis_name
     )

@@ -3,8 +3,8 @@
 Each check names the fix. They run outside the compiled step: on the batch
 at every call (`check_batch`, a shape test), on the tree each sparsifier's
 ``init`` saw (`refuse_unexchanged_leaves`), on the state ``init`` built
-(`warn_if_not_first`, `warn_if_moments_after`), and on the replicated params after the first call
-(`refuse_per_worker_params`).
+(`warn_if_not_first`, `warn_if_moments_after`, `check_multi_steps`), and on
+the replicated params after the first call (`refuse_per_worker_params`).
 """
 
 from __future__ import annotations
@@ -56,6 +56,55 @@ def check_batch(batch: Any, num_workers: int) -> None:
       "per example; pass other arrays after the batch: train_step(params, opt_state, "
       "batch, extra)."
   )
+
+
+def check_worker_axis(opt_state: Any, num_workers: int) -> None:
+  """Raises unless every leaf of the optimizer state has the leading worker axis.
+
+  A value set into the state by hand (``optax.inject_hyperparams``'
+  ``state.hyperparams["learning_rate"] = 0.01``, as optax documents it) has
+  none, and would fail deep inside ``shard_map``.
+
+  Raises:
+    ValueError: naming the first leaf without it, and how to set such a value.
+  """
+  leaves = jax.tree.leaves(opt_state)
+  if all(np.ndim(leaf) and np.shape(leaf)[0] == num_workers for leaf in leaves):
+    return  # every step: no paths formatted
+  for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+    if not (np.ndim(leaf) and np.shape(leaf)[0] == num_workers):
+      raise ValueError(
+          f"The optimizer state's leaf opt_state{jax.tree_util.keystr(path)} has shape "
+          f"{np.shape(leaf)}: every leaf of a data_parallel state has a leading worker axis of "
+          f"{num_workers} (dp.init builds it so). A value set by hand needs it too, e.g. for "
+          "optax.inject_hyperparams: opt_state.hyperparams['learning_rate'] = "
+          f"jnp.full({num_workers}, 0.01)."
+      )
+
+
+def check_worker_grads(worker_grads: Any, params: Any, num_workers: int) -> None:
+  """Raises unless every gradient leaf is ``[n, *param shape]``: one gradient per worker.
+
+  Raises:
+    ValueError: naming the first leaf without the worker axis.
+  """
+  param_leaves = jax.tree.leaves(params) if params is not None else None
+  grad_leaves = jax.tree_util.tree_flatten_with_path(worker_grads)[0]
+  if param_leaves is not None and len(param_leaves) != len(grad_leaves):
+    param_leaves = None  # another tree: the sparsifier names the difference
+  for i, (path, leaf) in enumerate(grad_leaves):
+    shape = tuple(np.shape(leaf))
+    wanted = None if param_leaves is None else (num_workers, *np.shape(param_leaves[i]))
+    if shape[:1] == (num_workers,) and wanted in (None, shape):
+      continue
+    raise ValueError(
+        f"dp.update takes every worker's own gradient, stacked on a leading worker axis of "
+        f"{num_workers} (as dp.value_and_grad returns them); gradient leaf "
+        f"{jax.tree_util.keystr(path)} has shape {shape}"
+        + (f", for a parameter of shape {wanted[1:]}" if wanted else "") + ". A gradient "
+        "already averaged over the workers has no worker axis and nothing left to "
+        "sparsify: take the gradients with dp.value_and_grad, or step with dp.step."
+    )
 
 
 def check_step_outputs(outputs: Any, params: Any, opt_state: Any, step: Any) -> None:
@@ -199,6 +248,45 @@ def warn_if_not_first(opt_state: Any, params: Any) -> None:
           stacklevel=3,
       )
       return
+
+
+def check_multi_steps(opt_state: Any) -> None:
+  """Refuses a skip function in ``optax.MultiSteps`` around a sparsifier; warns of its traffic.
+
+  ``MultiSteps`` calls the inner update on every micro-step and keeps its
+  result only on the emitting one: the sparsifier exchanges every micro-step
+  (``k`` times the traffic) and its stats count the kept exchanges only. A
+  ``should_skip_update_fn`` decides on each worker alone: a worker that
+  skips falls out of step with the others, whose collectives then wait for
+  it (the step hangs), while the sparsifier's own guard already skips a
+  non-finite step on every worker together.
+
+  Raises:
+    ValueError: for a ``MultiSteps`` with a skip function (a non-empty
+      ``skip_state``) around a sparsifier.
+  """
+  is_multi_steps = lambda node: isinstance(node, optax.MultiStepsState)  # noqa: E731
+  for node in jax.tree.leaves(opt_state, is_leaf=is_multi_steps):
+    if not is_multi_steps(node) or not any(
+        _stats.is_sparsifier_state(inner) for inner in
+        jax.tree.leaves(node.inner_opt_state, is_leaf=_stats.is_sparsifier_state)):
+      continue
+    if jax.tree.leaves(node.skip_state):
+      raise ValueError(
+          "optax.MultiSteps(..., should_skip_update_fn=...) around a sparsifier: each worker "
+          "decides alone whether to skip, and a worker that skips falls out of step with the "
+          "others (their exchange waits for it). The sparsifier already skips a step with a "
+          "non-finite gradient on every worker together (stats.nonfinite, "
+          "stats.skipped_steps): drop should_skip_update_fn."
+      )
+    warnings.warn(
+        "optax.MultiSteps around a sparsifier runs it, exchange included, on every "
+        "micro-step and keeps the result of the emitting one only: k times the traffic, and "
+        "the stats count only the kept exchanges. Accumulate the micro-batches' gradients "
+        "inside your step instead and update once (docs/usage.md, 'Gradient accumulation').",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 MOMENT_FIELDS = ("trace", "mu", "nu")  # optax's momentum trace, Adam's (and its kin's) moments

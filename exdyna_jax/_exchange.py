@@ -26,6 +26,8 @@ import jax.numpy as jnp
 
 from exdyna_jax import _collectives, _spill
 
+MAX_GATHERED = 2**31 - 1  # every worker's buffer, together: int32 indices and counts
+
 # Slots a `SparseUpdate` with ``live`` slots writes per iteration.
 LIVE_CHUNK = 1 << 14
 
@@ -295,7 +297,12 @@ def exchange(
 
   Returns:
     The `Exchanged` result.
+
+  Raises:
+    ValueError: where the ``n`` gathered buffers hold ``2**31`` entries or
+      more (int32 indices and counts cannot address them).
   """
+  check_gathered_size(_collectives.axis_size(axis_name), indices.shape[0])
   gathered_indices, gathered_info = gather_indices(
       indices, side_info, axis_name, spill=spill, num_elements=accumulated.shape[0]
   )
@@ -306,6 +313,17 @@ def exchange(
       jnp.dtype(value_dtype).itemsize, spill, gather_values,
   )
   return Exchanged(sparse, gathered_indices, gathered_info, bytes_sent)
+
+
+def check_gathered_size(num_workers: int, capacity: int) -> None:
+  """Refuses ``n`` buffers of ``capacity`` indices that int32 cannot address together."""
+  if num_workers * capacity > MAX_GATHERED:
+    raise ValueError(
+        f"{num_workers} workers would gather {num_workers} x {capacity} = "
+        f"{num_workers * capacity:,} indices a step, past the {MAX_GATHERED:,} that int32 "
+        "indices and counts address. Lower the density, send with a method whose workers "
+        "select apart (exdyna, micro: n x k/n in all), or exchange this model with dense()."
+    )
 
 
 def sum_at_gathered(

@@ -127,7 +127,9 @@ def error_feedback_transform(
 
   def flat_update(updates, state, layout, num_workers):
     """``update_fn`` on the flat vector: the dense float32 ``[N]`` update and the state."""
-    screened = _guard.screen(updates, state.stats.num_workers, num_workers, axis_name)
+    layout_fingerprint, leaves = _layout.fingerprint(updates)
+    screened = _guard.screen(updates, state.stats, num_workers, axis_name,
+                             layout=layout_fingerprint)
     accumulated = accumulate(updates, state.residual, screened.nonfinite)  # [1, N]
 
     def without_residual_and_stats(state):  # what the switch carries besides the stats
@@ -147,6 +149,7 @@ def error_feedback_transform(
             _exchange.SparseUpdate.nothing(shapes[0], layout.num_elements, axis_name),
             without_residual_and_stats(state),
         ),
+        leaves=leaves,
     )
     sparse = keep_what_rounding_loses(sparse, layout)
     update = sparse.dense(layout.num_elements)
@@ -163,7 +166,8 @@ def keep_what_rounding_loses(
 ) -> _exchange.SparseUpdate:
   """Rounds the update to the leaves' dtypes and keeps the difference in the residual.
 
-  A bfloat16 or float16 leaf cannot hold the float32 mean exactly. Each of the
+  A bfloat16 or float16 leaf cannot hold the float32 mean exactly, nor a
+  float16 one a value past its range (clipped to 65,504). Each of the
   ``n`` workers keeps ``mean - rounded`` at that index, so the ``n`` residuals
   hold together what the rounded update of ``n`` workers' mass leaves out, and
   nothing is lost. Float32 (and wider) trees pay nothing: the check is static.

@@ -7,10 +7,11 @@ counts the bad elements over all workers and ``stats.skipped_steps`` the
 skipped steps. One ``psum`` of two int32 flags decides it (`screen`), so all
 workers take the same branch and the collectives stay matched (a per-worker
 decision, as ``optax.apply_if_finite`` makes, would desynchronise them); the
-bad elements are counted only on a step that has some. A state whose
-recorded worker count is not the axis size (a restore cut or padded its
-worker axis to fit) stops the step with an error on the host. Both
-decisions share one ``lax.switch``.
+bad elements are counted only on a step that has some. A state that does
+not fit stops the step with an error on the host: its recorded worker count
+is not the axis size (a restore cut or padded its worker axis to fit), or
+it records the layout of another gradient tree (leaves renamed or
+reordered since a checkpoint). Both decisions share one ``lax.switch``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from exdyna_jax import _collectives, _stats
 
@@ -33,16 +35,19 @@ class Screen(NamedTuple):
 
   Attributes:
     nonfinite: int32 NaN and infinite gradient elements over all workers.
-    resized: bool, whether any worker's state records another worker count.
+    misfit: bool, whether any worker's state records another worker count
+      or another layout.
+    layout: int32 the values' `_layout.fingerprint` (0: not checked).
   """
 
   nonfinite: jax.Array
-  resized: jax.Array
+  misfit: jax.Array
+  layout: jax.Array
 
 
-def screen(values: Any, recorded_workers: jax.Array, num_workers: int, axis_name: str
-           ) -> Screen:
-  """Screens every worker's ``values`` for NaN and infinity, and its state's worker count.
+def screen(values: Any, stats: _stats.SparsifierStats, num_workers: int, axis_name: str, *,
+           layout: int = 0) -> Screen:
+  """Screens every worker's ``values`` for NaN and infinity, and whether its state fits.
 
   A NaN or an infinity makes the sum of the values non-finite: one read-only
   pass screens them (a plain sum: on CPU, ``sum(values * 0)``, which could
@@ -57,24 +62,29 @@ def screen(values: Any, recorded_workers: jax.Array, num_workers: int, axis_name
 
   Args:
     values: this worker's array, or pytree of arrays.
-    recorded_workers: int32 the worker count this worker's state records.
+    stats: this worker's state's stats (the worker count and layout it
+      records).
     num_workers: ``n``, the axis size.
     axis_name: the data-parallel axis.
+    layout: the `_layout.fingerprint` of ``values`` where the state holds a
+      residual laid out like them (a state that records another misfits);
+      0 (default) checks nothing.
 
   Returns:
     The `Screen`.
   """
   total = sum((jnp.sum(leaf, dtype=jnp.float32) for leaf in jax.tree.leaves(values)),
               jnp.float32(0))
-  flags = jnp.stack([~jnp.isfinite(total), recorded_workers != num_workers])
-  tripped, resized = jax.lax.psum(flags.astype(jnp.int32), axis_name)
+  other_layout = (layout != 0) & (stats.layout != 0) & (stats.layout != layout)
+  flags = jnp.stack([~jnp.isfinite(total), (stats.num_workers != num_workers) | other_layout])
+  tripped, misfit = jax.lax.psum(flags.astype(jnp.int32), axis_name)
 
   def count():
     with jax.named_scope(SKIPPED_STEP_SCOPE):
       return count_nonfinite(values, axis_name)
 
   nonfinite = jax.lax.cond(tripped > 0, count, lambda: jnp.zeros((), jnp.int32))
-  return Screen(nonfinite, resized > 0)
+  return Screen(nonfinite, misfit > 0, jnp.int32(layout))
 
 
 def count_nonfinite(values: Any, axis_name: str) -> jax.Array:
@@ -113,6 +123,53 @@ def _count_in_chunks(leaf: jax.Array, zero: jax.Array) -> jax.Array:
   return jax.lax.fori_loop(0, -(-flat.shape[0] // chunk), count_chunk, zero)
 
 
+def raise_if_state_does_not_fit(recorded_workers: np.ndarray, recorded_layout: np.ndarray,
+                                layout: np.ndarray, *, num_workers: int, axis_name: str,
+                                leaves: str) -> None:
+  """Raises if a state records another worker count or tree layout (a host callback).
+
+  A state whose worker axis a restore cut or padded to fit another number of
+  workers has the right shapes (`_stats.check_num_workers` passes) but still records
+  the number it was initialized for (padded workers record 0). A state
+  restored for a tree whose leaves were renamed or reordered since has the
+  right shapes too, but records another layout fingerprint.
+
+  Args:
+    recorded_workers: ``stats.num_workers`` of one or more workers.
+    recorded_layout: ``stats.layout`` of one or more workers (0: none yet).
+    num_workers: size of ``axis_name`` in the calling context.
+    axis_name: the data-parallel axis, for the message.
+    layout: the fingerprint of this step's gradient tree (0: not checked).
+    leaves: its leaves, for the message.
+
+  Raises:
+    ValueError: if any recorded count differs from ``num_workers``, or any
+      recorded layout from ``layout``.
+  """
+  recorded = {int(r) for r in np.ravel(recorded_workers)}
+  if recorded != {num_workers}:
+    initialized_for = " or ".join(map(str, sorted(recorded - {0}))) or "another number of"
+    raise ValueError(
+        f"The optimizer state was initialized for {initialized_for} workers but axis "
+        f"{axis_name!r} has {num_workers}, and its arrays were cut or padded to "
+        f"{num_workers} workers' shapes (restoring a checkpoint with orbax's strict=False "
+        "does this): the residuals of the workers cut off are lost and the partitions no "
+        "longer fit. Restore onto the stored shapes instead and pass the state through "
+        "exdyna_jax.resize_workers(tx, state, params, num_workers), which keeps what the "
+        "parameters are owed."
+    )
+  layout = int(np.ravel(layout)[0])
+  if layout and {int(r) for r in np.ravel(recorded_layout)} - {0, layout}:
+    raise ValueError(
+        "The optimizer state's residual was laid out for another parameter tree: leaves "
+        "were renamed, reordered, added or removed since it was made (a checkpoint "
+        "restored for a changed model), and stepping it would add each leaf's residual to "
+        f"another leaf. This step's leaves, in the flat order a state follows: {leaves}. "
+        "Restore the state with the model it was saved with, or start a fresh one with "
+        "tx.init(params)."
+    )
+
+
 def skip_if_nonfinite(
     screened: Screen,
     step: Callable[[], tuple[Any, _stats.SparsifierStats]],
@@ -121,15 +178,18 @@ def skip_if_nonfinite(
     axis_name: str,
     *,
     skipped: Callable[[Any], Any] | None = None,
+    leaves: str = "",
 ) -> tuple[Any, _stats.SparsifierStats]:
   """The non-finite policy, shared by every method: skip the step on all workers.
 
   ``step`` runs inside a ``lax.switch``, so a finite step costs nothing extra
   and a skipped one does no work. The `Screen` is the same on every worker,
   so all of them take the same branch and the collectives inside ``step``
-  stay matched. The same switch stops a state whose recorded worker count
-  is not ``n`` (`_stats.raise_if_resized`, on the host): its arrays were cut
-  or padded to fit, and stepping it would silently lose residuals.
+  stay matched. The same switch stops a state that does not fit
+  (`raise_if_state_does_not_fit`, on the host): its recorded worker
+  count is not ``n`` (its arrays were cut or padded to fit) or it records
+  another tree's layout; stepping it would silently lose or misplace
+  residuals.
 
   Args:
     screened: the `screen` of this step's gradients and of the state.
@@ -140,6 +200,8 @@ def skip_if_nonfinite(
     axis_name: the data-parallel axis, for the message.
     skipped: maps the shapes of ``step``'s output (``jax.ShapeDtypeStruct``
       leaves) to the output of a skipped step; by default zeros.
+    leaves: the gradient tree's leaves (`_layout.fingerprint`), for the
+      message of a state laid out for another tree.
 
   Returns:
     ``step()`` when ``screened.nonfinite == 0``; otherwise the ``skipped``
@@ -148,7 +210,8 @@ def skip_if_nonfinite(
     ``screened.nonfinite``, ``stats.skipped_steps`` counts the skipped steps,
     ``stats.bytes_sent`` includes the screen's ``psum`` (and a skipped step's
     count, all it sends besides), and the running totals add this step's
-    figures (a skipped step's bytes only).
+    figures (a skipped step's bytes only); ``stats.layout`` records
+    ``screened.layout``.
   """
   skip = screened.nonfinite > 0
   if skipped is None:
@@ -160,16 +223,17 @@ def skip_if_nonfinite(
     silent = previous_stats._replace(bytes_sent=jnp.zeros_like(previous_stats.bytes_sent))
     return skipped(output_shapes), silent
 
-  def stop_resized():  # raises on the host; no collective, like a skipped step
+  def stop_misfit():  # raises on the host; no collective, like a skipped step
     jax.debug.callback(
-        functools.partial(_stats.raise_if_resized, num_workers=num_workers, axis_name=axis_name),
-        previous_stats.num_workers,
+        functools.partial(raise_if_state_does_not_fit, num_workers=num_workers,
+                          axis_name=axis_name, leaves=leaves),
+        previous_stats.num_workers, previous_stats.layout, screened.layout,
     )
     return skip_step()
 
   # One conditional for both checks (a GPU reads its predicate back once).
-  branch = jnp.where(screened.resized, 2, skip.astype(jnp.int32))
-  output, stats = jax.lax.switch(branch, (step, skip_step, stop_resized))
+  branch = jnp.where(screened.misfit, 2, skip.astype(jnp.int32))
+  output, stats = jax.lax.switch(branch, (step, skip_step, stop_misfit))
   flag_bytes, count_bytes = (_collectives.ring_all_reduce_bytes(num_workers, size)
                              for size in (2 * _collectives.INDEX_BYTES, _collectives.INDEX_BYTES))
   bytes_sent = stats.bytes_sent + flag_bytes + skip * count_bytes
@@ -180,6 +244,7 @@ def skip_if_nonfinite(
       skipped_steps=previous_stats.skipped_steps + skip.astype(jnp.int32),
       bytes_sent=bytes_sent,
       num_workers=previous_stats.num_workers,
+      layout=screened.layout,
       transmitted_total=_stats.add_to_total(
           previous_stats.transmitted_total, done * stats.transmitted),
       overflow_total=_stats.add_to_total(previous_stats.overflow_total, done * stats.overflow),

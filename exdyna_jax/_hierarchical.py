@@ -229,10 +229,33 @@ def _psum_mode(
     total = jax.lax.psum(
         jax.tree.map(lambda g: g.astype(_layout.ACCUMULATION_DTYPE), updates), fast_axis
     )
-    mean = jax.tree.map(lambda s, g: (s / size).astype(g.dtype), total, updates)
-    return sparsifier.update(mean, state, params, **extra_args)
+    mean = jax.tree.map(lambda s: s / size, total)  # float32: nothing rounded away yet
+    update, state = sparsifier.update(mean, state, params, **extra_args)
+    layout = _layout.layout_of(updates, what="gradient")
+    if all(jnp.finfo(dtype).bits >= 32 for dtype in layout.dtypes):  # static: nothing to round
+      return jax.tree.map(lambda u, g: u.astype(g.dtype), update, updates), state
+    flat, state = keep_what_rounding_loses(_layout.flatten(update), state, layout, 0)
+    return _layout.unflatten(flat, layout), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def keep_what_rounding_loses(update: jax.Array, state: Any, layout: _layout.FlatLayout,
+                             first_index: jax.Array | int) -> tuple[jax.Array, Any]:
+  """A float32 update of elements ``first_index, ...`` rounded to their leaves' dtypes,
+  the loss kept in the residual.
+
+  The sparsifier runs on float32 node means (the whole vector, or a slice of
+  it), so it cannot round to the bfloat16 or float16 leaves they come from,
+  as the flat mode does (`_feedback.keep_what_rounding_loses`): here each
+  node keeps ``update - rounded`` in its residual, and nothing is lost. A
+  state with no residual (``dense()``) rounds as the flat mode does.
+  """
+  indices = first_index + jnp.arange(update.shape[0], dtype=jnp.int32)
+  rounded = _layout.as_leaf_dtypes(indices, update, layout)
+  if rounded is update or "residual" not in getattr(state, "_fields", ()):
+    return rounded, state
+  return rounded, state._replace(residual=state.residual + (update - rounded))
 
 
 def _scatter_mode(
@@ -265,6 +288,8 @@ def _scatter_mode(
       update, state = sparsifier.update(mean, state, None, **extra_args)
     except ValueError as error:
       raise _slice_context(error, layout.num_elements, num_local) from error
+    update, state = keep_what_rounding_loses(
+        update, state, layout, jax.lax.axis_index(fast_axis) * size)
     if _collectives._is_manual(fast_axis):
       full = jax.lax.all_gather(update, fast_axis, tiled=True, to="invarying")
     else:  # vmap(axis_name=...) has no invariant all_gather

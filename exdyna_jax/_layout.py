@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import zlib
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -109,6 +110,25 @@ def layout_of(tree: Any, *, what: str = "params") -> FlatLayout:
   return FlatLayout(treedef, tuple(shapes), tuple(dtypes), num_elements)
 
 
+def fingerprint(tree: Any) -> tuple[int, str]:
+  """Which leaf is where in the flat vector: a nonzero int32 hash, and what it hashes.
+
+  The residual is one flat vector in the order of ``tree``'s leaves, so a
+  state stays right only for a tree with the same leaves, paths and shapes
+  in the same order. Dtypes do not enter (a cast moves nothing).
+
+  Args:
+    tree: a pytree of arrays (concrete or traced).
+
+  Returns:
+    ``(fingerprint, leaves)``: the hash in ``[1, 2**31 - 1]``, and the
+    leaves as ``"path (shape), ..."`` in flat order, for messages.
+  """
+  leaves = ", ".join(f"{jax.tree_util.keystr(path)} {tuple(np.shape(leaf))}"
+                     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0])
+  return zlib.crc32(leaves.encode()) % (2**31 - 1) + 1, leaves
+
+
 def check_same_layout(expected: FlatLayout, got: FlatLayout, *, what: str) -> None:
   """Raises a ValueError naming the difference between two layouts."""
   if expected.treedef != got.treedef:
@@ -163,7 +183,8 @@ def as_leaf_dtypes(indices: jax.Array, values: jax.Array, layout: FlatLayout) ->
   """float32 ``values`` at flat ``indices`` as the leaves' own dtypes will hold them.
 
   Where a leaf is narrower than float32 (bfloat16, float16), the value is
-  rounded to it and back; elsewhere it is unchanged. Indices past ``N`` are
+  clipped to the dtype's finite range (65,504 for float16), rounded to it and
+  back; elsewhere it is unchanged. Indices past ``N`` are
   left as they are (nothing is written there).
 
   Args:
@@ -184,7 +205,9 @@ def as_leaf_dtypes(indices: jax.Array, values: jax.Array, layout: FlatLayout) ->
   code = jnp.asarray([*codes, 0], jnp.int32)[leaf]
   rounded = values
   for i, dtype in enumerate(narrow, start=1):
-    rounded = jnp.where(code == i, values.astype(dtype).astype(values.dtype), rounded)
+    limit = float(jnp.finfo(dtype).max)
+    held = jnp.clip(values, -limit, limit).astype(dtype).astype(values.dtype)
+    rounded = jnp.where(code == i, held, rounded)
   return rounded
 
 

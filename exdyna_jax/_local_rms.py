@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from exdyna_jax import _stats
+
 
 class LocalRMSState(NamedTuple):
   """State of `scale_by_local_rms` (per worker).
@@ -132,7 +134,7 @@ def sparse_adamw(
   """
   return optax.chain(
       scale_by_local_rms(b2, eps),
-      sparsifier,
+      _stats.require_exchange(sparsifier, "sparse_adamw's sparsifier"),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from exdyna_jax import _options, _stats
+
 
 class LocalStepsState(NamedTuple):
   """Optimizer state of `local_steps` (per worker).
@@ -91,7 +93,10 @@ def local_steps(
     The optax transformation; its state is a `LocalStepsState`.
 
   Raises:
-    ValueError: for ``sync_every`` below 1.
+    ValueError: for ``sync_every`` below 1 (`TypeError` for one that is not
+      an int).
+    TypeError: at ``init``, for a compressor that is not one of this
+      package's methods.
 
   References:
     Douillard et al., "DiLoCo: Distributed Low-Communication Training of
@@ -116,8 +121,8 @@ def local_steps(
     >>> params[:, 0]  # every worker: -0.1 * 2 steps * the mean gradient 3.5
     Array([-0.7, -0.7, -0.7, -0.7, -0.7, -0.7, -0.7, -0.7], dtype=float32)
   """
-  if not isinstance(sync_every, int) or sync_every < 1:
-    raise ValueError(f"sync_every must be a whole number of steps >= 1, got {sync_every!r}.")
+  sync_every = _options.check_positive_int(sync_every, "sync_every", "inner steps a sync")
+  compressor = _stats.require_exchange(compressor, "local_steps' compressor")
   inner = optax.with_extra_args_support(inner)
   outer = optax.sgd(1.0) if outer is None else outer
 

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from exdyna_jax import _collectives
+from exdyna_jax import _collectives, _options
 
 
 class Network(NamedTuple):
@@ -75,8 +75,13 @@ class Network(NamedTuple):
       The measured `Network`.
 
     Raises:
-      ValueError: if the axis has one worker (there is no network to time).
+      ValueError: if ``mesh`` has no axis ``axis_name``, or it has one
+        worker (there is no network to time), or ``repeats`` is below 1.
     """
+    if axis_name not in mesh.shape:
+      raise ValueError(f"Network.measure: the mesh has no axis {axis_name!r} (its axes: "
+                       f"{tuple(mesh.shape)}); pass axis_name= to name the data axis.")
+    repeats = _options.check_positive_int(repeats, "repeats", "timed all-gathers of each size")
     num_workers = mesh.shape[axis_name]
     if num_workers < 2:
       raise ValueError(
@@ -141,10 +146,12 @@ def check_network(network: Network | None) -> Network | None:
     return None
   if not isinstance(network, Network):
     raise TypeError(f"network must be an exdyna_jax.Network or None, got {network!r}.")
-  for name, value in network._asdict().items():
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-      raise ValueError(f"Network.{name} must be a positive finite number, got {value!r}.")
-  return network
+  return Network(
+      _options.check_positive_finite(network.message_seconds, "Network.message_seconds",
+                                     "seconds a message takes"),
+      _options.check_positive_finite(network.bytes_per_second, "Network.bytes_per_second",
+                                     "one worker's link"),
+  )
 
 
 def all_reduce_seconds(network: Network, num_workers: int, size_bytes: int) -> float:

@@ -13,9 +13,10 @@ BatchNorm statistics, the optimizer, metrics, random streams) under
   draws its own Dropout mask) and come out as they went in;
 - anything else the step changes (BatchNorm statistics, metric totals, a
   variable of your own) differs from worker to worker, so the user says how
-  to combine it: ``"mean"`` (the average) or ``"sum"`` (each worker's change
-  added up: counters and metric totals). A step that changes one without a
-  rule is refused when it is traced.
+  to combine it: ``"mean"`` (the average), ``"sum"`` (each worker's change
+  added up: example counts and metric totals) or ``"same"`` (a value every
+  worker computes alike, such as a step counter: kept, and checked equal).
+  A step that changes one without a rule is refused when it is traced.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -151,14 +153,37 @@ def combine(kind: str, name: str, before: jax.Array, after: jax.Array, axis_name
       f"{name}, an nnx.{kind}", f"exdyna_jax.nnx_step(dp, reduce={{nnx.{kind}: 'mean'}})")
 
 
+_OBJECT, _DATA, _CONSTANT = "object", "data", "constant"  # how nnx_step passes an argument
+
+
+def argument_kind(index: int, arg: Any) -> str:
+  """How `nnx_step` passes its argument ``index``: an NNX object, data split over the
+  workers, or a constant every worker gets (a tree of scalars: a number, a key).
+
+  Raises:
+    TypeError: for a container that holds NNX objects.
+  """
+  if nnx.graph.is_graph_node(arg):
+    return _OBJECT
+  leaves = jax.tree.leaves(arg, is_leaf=nnx.graph.is_graph_node)
+  if any(nnx.graph.is_graph_node(leaf) for leaf in leaves):
+    raise TypeError(
+        f"Argument {index} of the step is a {type(arg).__name__} holding NNX objects: "
+        "nnx_step finds the objects among the step's arguments themselves, so pass each "
+        "(the model, the optimizer, the metrics) as an argument of its own."
+    )
+  return _CONSTANT if leaves and all(jnp.ndim(leaf) == 0 for leaf in leaves) else _DATA
+
+
 def nnx_step(dp: _sharding.DataParallel, *, reduce: Mapping[type, str] | None = None
              ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
   """Decorates a Flax NNX training step to run on every worker of ``dp``.
 
   The step is written as for ``nnx.jit``: it takes NNX objects (the model,
   an optimizer from `nnx_optimizer`, metrics, ``nnx.Rngs``) and data, and
-  mutates the objects. Every argument that is not an NNX object is split
-  over the workers along its leading axis. The decorated step is jitted
+  mutates the objects. Every other argument is split over the workers along
+  its leading axis, but for scalars (a number, a random key, a tree of them),
+  which every worker gets as they are. The decorated step is jitted
   (one compilation per graph structure, e.g. per ``model.train()`` /
   ``model.eval()``), donates the objects' arrays and puts the new ones back
   into the objects; it returns the step's return value with a leading worker
@@ -177,7 +202,8 @@ def nnx_step(dp: _sharding.DataParallel, *, reduce: Mapping[type, str] | None = 
 
   Raises:
     TypeError: at the first call, if the step changes a variable with no
-      rule, or an ``nnx.Optimizer`` does not step ``dp.tx``.
+      rule, or an ``nnx.Optimizer`` does not step ``dp.tx``; at every call,
+      for an argument that holds NNX objects inside a container.
 
   Example:
     A model with BatchNorm, its statistics averaged over the 8 workers:
@@ -204,9 +230,9 @@ def nnx_step(dp: _sharding.DataParallel, *, reduce: Mapping[type, str] | None = 
 
   def decorator(step: Callable[..., Any]) -> Callable[..., Any]:
     @functools.cache
-    def compiled(graphdef, treedef, kinds, is_object):
+    def compiled(graphdef, treedef, kinds, arg_kinds):
       @functools.partial(_sharding.step_decorator, dp.mesh, dp.axis_name, own_params=False)
-      def per_worker(shared, own, data):
+      def per_worker(shared, own, data, constants):
         before = merge_by_kind(shared, own, kinds)
         worker = jax.lax.axis_index(dp.axis_name)
         folded = [jax.random.fold_in(a, worker) if kind == _RNG_KEY else a
@@ -216,8 +242,8 @@ def nnx_step(dp: _sharding.DataParallel, *, reduce: Mapping[type, str] | None = 
         trained = models_under_local_steps(objects)
         for model, optimizer in trained:  # the worker's own parameters into the step
           nnx.update(model, _local_steps.find(nnx.as_pure(optimizer.opt_state)).local)
-        by_kind = {True: iter(objects), False: iter(data)}
-        result = step(*(next(by_kind[node]) for node in is_object))
+        by_kind = {_OBJECT: iter(objects), _DATA: iter(data), _CONSTANT: iter(constants)}
+        result = step(*(next(by_kind[kind]) for kind in arg_kinds))
         for model, optimizer in trained:  # the synced ones out of it
           nnx.update(model, _local_steps.find(nnx.as_pure(optimizer.opt_state)).synced)
         after, after_treedef = jax.tree.flatten(nnx.state(objects))
@@ -232,14 +258,16 @@ def nnx_step(dp: _sharding.DataParallel, *, reduce: Mapping[type, str] | None = 
 
     def prepare(args):
       """``(compiled step, objects, treedef, kinds, its arguments)`` for ``args``."""
-      is_object = tuple(nnx.graph.is_graph_node(arg) for arg in args)
-      objects = tuple(arg for arg, node in zip(args, is_object, strict=True) if node)
+      arg_kinds = tuple(argument_kind(i, arg) for i, arg in enumerate(args))
+      of_kind = lambda kind: tuple(  # noqa: E731
+          arg for arg, k in zip(args, arg_kinds, strict=True) if k == kind)
+      objects = of_kind(_OBJECT)
       graphdef, state = nnx.split(objects)
       arrays, treedef = jax.tree.flatten(state)
       kinds = leaf_kinds(state, reduce)
-      data = tuple(arg for arg, node in zip(args, is_object, strict=True) if not node)
-      fn = compiled(graphdef, treedef, kinds, is_object)
-      return fn, objects, treedef, kinds, (*split_by_kind(arrays, kinds), data)
+      fn = compiled(graphdef, treedef, kinds, arg_kinds)
+      return fn, objects, treedef, kinds, (*split_by_kind(arrays, kinds), of_kind(_DATA),
+                                           of_kind(_CONSTANT))
 
     @functools.wraps(step)
     def train_step(*args):

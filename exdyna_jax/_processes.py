@@ -146,6 +146,9 @@ def stop(procs: Iterable[subprocess.Popen]) -> None:
       proc.wait(timeout=10)
 
 
+EARLY_EXIT_GRACE = 5.0  # seconds a healthy run's ranks may finish apart
+
+
 def wait(workers: Sequence[subprocess.Popen], timeout: float, say: Callable[[str], None]) -> int:
   """Polls the workers until all succeed, one fails or ``timeout`` passes.
 
@@ -155,6 +158,8 @@ def wait(workers: Sequence[subprocess.Popen], timeout: float, say: Callable[[str
     ``say`` tells which and what is stopped; the caller stops the rest.
   """
   deadline = time.monotonic() + timeout
+  exited_at: dict[int, float] = {}  # rank -> when it exited with 0
+  finished_early: list[int] = []  # exited with 0 and the others ran on past the grace
   while True:
     codes = [proc.poll() for proc in workers]
     running = [rank for rank, code in enumerate(codes) if code is None]
@@ -162,9 +167,21 @@ def wait(workers: Sequence[subprocess.Popen], timeout: float, say: Callable[[str
     if failed:
       rank, code = failed[0]
       reason = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-      say(f"rank {rank} {reason}; stopping the {len(running)} process(es) still running: "
-          f"ranks {running}.")
+      early = (f" (after rank(s) {finished_early} had exited with 0 while the others ran: "
+               "look there first)" if finished_early else "")
+      say(f"rank {rank} {reason}{early}; stopping the {len(running)} process(es) still "
+          f"running: ranks {running}.")
       return 128 - code if code < 0 else code
+    now = time.monotonic()
+    exited_at.update({rank: now for rank, code in enumerate(codes)
+                      if code == 0 and rank not in exited_at})
+    late = [rank for rank, at in exited_at.items()
+            if rank not in finished_early and now - at > EARLY_EXIT_GRACE]
+    if running and late:
+      finished_early += late
+      say(f"rank(s) {late} exited with 0 more than {EARLY_EXIT_GRACE:g} s ago while ranks "
+          f"{running} still run: the others may wait for it in a collective until its "
+          "heartbeat times out.")
     if not running:
       return 0
     if time.monotonic() > deadline:

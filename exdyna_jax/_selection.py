@@ -73,8 +73,13 @@ def chunk_length(num_elements: int, num_workers: int) -> int:
 
 
 def num_chunks(begin: jax.Array, end: jax.Array, chunk: int) -> jax.Array:
-  """Chunks of ``chunk`` elements that read ``[begin, end)``: ``ceil((end - begin) / chunk)``."""
-  return (end - begin + chunk - 1) // chunk
+  """Chunks of ``chunk`` elements that read ``[begin, end)``: ``ceil((end - begin) / chunk)``.
+
+  Without an intermediate past ``end - begin``: a partition of nearly
+  ``2**31`` elements would overflow int32 in ``end - begin + chunk - 1``.
+  """
+  length = end - begin
+  return length // chunk + (length % chunk > 0).astype(length.dtype)
 
 
 def unrolled_chunks(num_elements: int, num_workers: int, chunk: int) -> int:

@@ -14,6 +14,7 @@ per-worker gradients stacked along that axis instead.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -122,6 +123,10 @@ def data_parallel(
   Raises:
     ValueError: if ``mesh`` has no axis ``axis_name``.
 
+  Warns:
+    UserWarning: for an axis of one device (nothing to exchange; the usual
+      cause is a CPU machine without ``jax_num_cpu_devices``).
+
   Example:
     The shortest path: a per-worker step, decorated. A linear model on the
     8 forced CPU devices, each worker with its own eighth of the batch:
@@ -178,6 +183,16 @@ def data_parallel(
         f"The mesh has axes {mesh.axis_names}, not {axis_name!r}; pass "
         "axis_name= naming its data-parallel axis."
     )
+  if mesh.shape[axis_name] == 1:
+    warnings.warn(
+        f"data_parallel over one worker: the mesh's {axis_name!r} axis has 1 device "
+        f"(jax.devices(): {len(jax.devices())}), so nothing is exchanged and the sparsifier "
+        "only delays the gradient. On a CPU machine, ask for devices before JAX starts: "
+        "jax.config.update('jax_num_cpu_devices', 8); on GPUs, check that jax.devices() "
+        "lists them all.",
+        UserWarning,
+        stacklevel=2,
+    )
   per_worker, replicated = P(axis_name), jax.NamedSharding(mesh, P())
   shard = functools.partial(per_worker_map, mesh)
 
@@ -188,6 +203,7 @@ def data_parallel(
     _dp_checks.refuse_unexchanged_leaves(params, seen)
     _dp_checks.warn_if_not_first(opt_state, params)
     _dp_checks.warn_if_moments_after(opt_state)
+    _dp_checks.check_multi_steps(opt_state)
     return opt_state
 
   def update(worker_grads, opt_state, params=None, **extra_args):
@@ -196,6 +212,8 @@ def data_parallel(
           "dp.update cannot step local_steps: its gradients are taken at each worker's own "
           "parameters, which dp.value_and_grad does not see. Decorate a per-worker step "
           "with dp.step instead.")
+    _dp_checks.check_worker_grads(worker_grads, params, mesh.shape[axis_name])
+    _dp_checks.check_worker_axis(opt_state, mesh.shape[axis_name])
 
     def body(grads, state, params):
       updates, state = tx.update(
@@ -287,6 +305,7 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str,
           "positionally, or close over constants in the step."
       )
     _dp_checks.check_batch(batch, mesh.shape[axis_name])
+    _dp_checks.check_worker_axis(opt_state, mesh.shape[axis_name])
     # Placed as the step takes them (no copy where they are already): an
     # Explicit mesh (jax.make_mesh's default) accepts nothing else.
     params, batch, args = jax.device_put((params, batch, args), (replicated, split, replicated))

@@ -85,6 +85,12 @@ class SparsifierStats(NamedTuple):
     target_total: ``target`` summed over the completed steps: the ``k``
       the run asked for in all, so ``transmitted_total / target_total`` is
       its sent/k, a density warm-up's levels included.
+    layout: int32 fingerprint of the gradient tree's leaves (paths and
+      shapes, in the flat order the residual follows), set by every step of
+      a method with a residual; 0 before the first, and for ``dense()``. A
+      step on a tree laid out otherwise (leaves renamed, reordered, added or
+      removed since a checkpoint) stops with an error that lists the
+      leaves, instead of adding each residual to another leaf.
 
   Example:
     The stats of a freshly initialized ExDyna state, on 8 workers simulated
@@ -123,6 +129,7 @@ class SparsifierStats(NamedTuple):
   # Set by every step (last, with a default: a pickled state of 0.1.0 loads with 0).
   target: jax.Array = np.int32(0)
   target_total: jax.Array = np.zeros(2, np.int32)  # the guard's
+  layout: jax.Array = np.int32(0)  # the guard's
 
 
 def is_sparsifier_state(node: Any) -> bool:
@@ -131,6 +138,37 @@ def is_sparsifier_state(node: Any) -> bool:
   Every method's state is one (a new method's too), so nothing lists them.
   """
   return isinstance(node, tuple) and isinstance(getattr(node, "stats", None), SparsifierStats)
+
+
+def require_exchange(tx: optax.GradientTransformation, role: str
+                     ) -> optax.GradientTransformationExtraArgs:
+  """``tx``, whose ``init`` refuses a state with no sparsifier's in it.
+
+  For the slots where one of this package's methods (``hierarchical(...)``
+  included) must do the exchange: anything else there (``optax.sgd``) would
+  let every worker train alone, with nothing to say so.
+
+  Args:
+    tx: what the user passed.
+    role: the slot, for the message, e.g. ``"local_steps' compressor"``.
+
+  Raises:
+    TypeError: at ``init``, if the state holds no `SparsifierStats`.
+  """
+  tx = optax.with_extra_args_support(tx)
+
+  def init_fn(params):
+    state = tx.init(params)
+    if not any(is_sparsifier_state(node)
+               for node in jax.tree.leaves(state, is_leaf=is_sparsifier_state)):
+      raise TypeError(
+          f"{role} is {type(tx).__name__}, not one of this package's methods (exdyna_jax."
+          "exdyna, topk, ..., dense, or hierarchical of one): nothing would be exchanged and "
+          "every worker would train alone."
+      )
+    return state
+
+  return optax.GradientTransformationExtraArgs(init_fn, tx.update)
 
 
 def read_totals(stats: SparsifierStats) -> dict[str, int]:
@@ -215,39 +253,9 @@ def check_num_workers(stats: SparsifierStats, num_workers: int, axis_name: str) 
       "worker's residual, and per-partition arrays of length n), so it cannot move to "
       "another number of workers as it is: restore the checkpoint onto its stored shapes "
       "and pass it through exdyna_jax.resize_workers(tx, state, params, num_workers), "
-      "which keeps the residual mass; or restore on a mesh of "
+      "which keeps what the parameters are owed; or restore on a mesh of "
       f"{initialized_for} devices. Also call init() inside the same mapped context as "
       "update()."
-  )
-
-
-def raise_if_resized(recorded: np.ndarray, num_workers: int, axis_name: str) -> None:
-  """Raises if a state's recorded worker counts are not ``num_workers`` (a host callback).
-
-  A state whose worker axis a restore cut or padded to fit another number of
-  workers has the right shapes (`check_num_workers` passes) but still records
-  the number it was initialized for (padded workers record 0).
-
-  Args:
-    recorded: ``stats.num_workers`` of one or more workers.
-    num_workers: size of ``axis_name`` in the calling context.
-    axis_name: the data-parallel axis, for the message.
-
-  Raises:
-    ValueError: if any recorded count differs from ``num_workers``.
-  """
-  recorded = {int(r) for r in np.ravel(recorded)}
-  if recorded == {num_workers}:
-    return
-  initialized_for = " or ".join(map(str, sorted(recorded - {0}))) or "another number of"
-  raise ValueError(
-      f"The optimizer state was initialized for {initialized_for} workers but axis "
-      f"{axis_name!r} has {num_workers}, and its arrays were cut or padded to "
-      f"{num_workers} workers' shapes (restoring a checkpoint with orbax's strict=False "
-      "does this): the residuals of the workers cut off are lost and the partitions no "
-      "longer fit. Restore onto the stored shapes instead and pass the state through "
-      "exdyna_jax.resize_workers(tx, state, params, num_workers), which keeps the "
-      "residual mass."
   )
 
 

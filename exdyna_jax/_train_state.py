@@ -10,8 +10,10 @@ worker of a `data_parallel` mesh and says, per field, what leaves it:
   worker axis outside the step, as `create_train_state` builds it;
 - any other field the step changes (``batch_stats`` of a subclass, say)
   differs from worker to worker, so the user says how to combine it:
-  ``"mean"`` (the average) or ``"sum"`` (each worker's change added up). A
-  step that changes one without a rule is refused when it is traced.
+  ``"mean"`` (the average), ``"sum"`` (each worker's change added up) or
+  ``"same"`` (a value every worker computes alike, such as ``epoch_steps +
+  1``: kept, and checked equal). A step that changes one without a rule is
+  refused when it is traced.
 
 As with ``dp.step``, the batch after the state is split over the workers
 along its leading axis and further arguments are replicated: pass a random
@@ -96,11 +98,30 @@ def check_state(state: Any, dp: _sharding.DataParallel, reduce: Mapping[str, str
     raise ValueError(f"reduce= names {unknown}, not fields of {type(state).__name__}.")
 
 
+def refuse_changed_static_field(name: str, before: Any, after: Any) -> None:
+  """Raises if the step changed a ``pytree_node=False`` field (part of the program, not data)."""
+  try:
+    same = before is after or bool(before == after)
+  except Exception:  # arrays, objects without a plain ==
+    same = False
+  if not same:
+    raise TypeError(
+        f"The step changes the field {name!r}, declared pytree_node=False: a static field is "
+        "part of the compiled program, not data the step returns, so a step cannot change "
+        f"it. Make it data (flax.struct.field(pytree_node=True)) with a reduce rule, e.g. "
+        f"reduce={{{name!r}: 'same'}}, or change it outside the step."
+    )
+
+
 def combine_fields(before: Any, after: Any, reduce: Mapping[str, str], axis_name: str) -> Any:
   """``after``, each field it changed (but params, opt_state, step) combined by its rule."""
   combined = {}
   for field in dataclasses.fields(after):
-    if field.name in _FIELDS_WITHOUT_RULE or not field.metadata.get("pytree_node", True):
+    if not field.metadata.get("pytree_node", True):
+      refuse_changed_static_field(field.name, getattr(before, field.name),
+                                  getattr(after, field.name))
+      continue
+    if field.name in _FIELDS_WITHOUT_RULE:
       continue
     old, new = getattr(before, field.name), getattr(after, field.name)
     old_leaves, new_leaves = jax.tree.leaves(old), jax.tree.leaves(new)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -39,17 +40,19 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from exdyna_jax import _processes, _shaped_links
-
-COORDINATOR_ENV = "EXDYNA_COORDINATOR"
-NUM_PROCESSES_ENV = "EXDYNA_NUM_PROCESSES"
-PROCESS_ID_ENV = "EXDYNA_PROCESS_ID"
-DEVICES_PER_PROCESS_ENV = "JAX_NUM_CPU_DEVICES"  # JAX's own switch (CPU devices per process)
-INIT_TIMEOUT_ENV = "EXDYNA_INIT_TIMEOUT"
-HEARTBEAT_TIMEOUT_ENV = "EXDYNA_HEARTBEAT_TIMEOUT"
+from exdyna_jax._join import (  # noqa: F401  (the worker's side, re-exported)
+    COORDINATOR_ENV,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    DEFAULT_INIT_TIMEOUT,
+    DEVICES_PER_PROCESS_ENV,
+    HEARTBEAT_TIMEOUT_ENV,
+    INIT_TIMEOUT_ENV,
+    NUM_PROCESSES_ENV,
+    PROCESS_ID_ENV,
+    initialize_from_env,
+)
 
 DEFAULT_TIMEOUT = 600.0
-DEFAULT_INIT_TIMEOUT = 60
-DEFAULT_HEARTBEAT_TIMEOUT = 20
 # Exit code of the launcher on timeout (a failed worker's own code is passed on).
 TIMEOUT_EXIT_CODE = _processes.TIMEOUT_EXIT_CODE
 
@@ -60,80 +63,6 @@ TIMEOUT_EXIT_CODE = _processes.TIMEOUT_EXIT_CODE
 # none and 48 ms when malloc never maps and keeps what it frees for the next
 # step. Workers get this unless GLIBC_TUNABLES is set already.
 CPU_MALLOC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824"
-
-
-def _env_int(environ: Mapping[str, str], name: str) -> int | None:
-  value = environ.get(name)
-  if value is None or value == "":
-    return None
-  try:
-    return int(value)
-  except ValueError:
-    raise ValueError(f"{name}={value!r} is not an integer.") from None
-
-
-def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
-  """Joins the multi-process run described by the ``EXDYNA_*`` variables.
-
-  Reads ``EXDYNA_COORDINATOR`` (``host:port`` of process 0),
-  ``EXDYNA_NUM_PROCESSES``, ``EXDYNA_PROCESS_ID``, and optionally
-  ``EXDYNA_INIT_TIMEOUT`` (seconds to wait for every process to join) and
-  ``EXDYNA_HEARTBEAT_TIMEOUT`` (seconds after which a silent process is
-  declared dead and the others are stopped). Call it before any JAX
-  computation. The CPU devices of each process are JAX's own
-  ``JAX_NUM_CPU_DEVICES`` (the launcher sets it). Without
-  ``EXDYNA_NUM_PROCESSES`` (or with 1 process) it returns ``False``: the
-  script then runs as a single process, unchanged.
-
-  Example:
-    First thing in the worker script, before any JAX computation::
-
-      from exdyna_jax import launch
-      launch.initialize_from_env()
-      import jax  # jax.devices() now lists the devices of every process
-
-    Without the variables, the script runs as one process:
-
-    >>> from exdyna_jax import launch
-    >>> launch.initialize_from_env({})
-    False
-
-  Args:
-    environ: the environment to read (default ``os.environ``).
-
-  Returns:
-    Whether ``jax.distributed.initialize`` was called.
-
-  Raises:
-    ValueError: if the variables are inconsistent or not integers.
-  """
-  import jax
-
-  environ = os.environ if environ is None else environ
-  num_processes = _env_int(environ, NUM_PROCESSES_ENV)
-  if num_processes is None or num_processes == 1:
-    return False
-  process_id = _env_int(environ, PROCESS_ID_ENV)
-  coordinator = environ.get(COORDINATOR_ENV)
-  if process_id is None or not coordinator:
-    raise ValueError(
-        f"{NUM_PROCESSES_ENV}={num_processes} needs {PROCESS_ID_ENV} and "
-        f"{COORDINATOR_ENV} (host:port of process 0) as well."
-    )
-  if not 0 <= process_id < num_processes:
-    raise ValueError(f"{PROCESS_ID_ENV}={process_id} is outside [0, {num_processes}).")
-  init_timeout = _env_int(environ, INIT_TIMEOUT_ENV) or DEFAULT_INIT_TIMEOUT
-  heartbeat = _env_int(environ, HEARTBEAT_TIMEOUT_ENV) or DEFAULT_HEARTBEAT_TIMEOUT
-  jax.distributed.initialize(
-      coordinator_address=coordinator,
-      num_processes=num_processes,
-      process_id=process_id,
-      initialization_timeout=init_timeout,
-      heartbeat_timeout_seconds=heartbeat,
-      # A process that ends early must not keep the others waiting at exit.
-      shutdown_timeout_seconds=heartbeat,
-  )
-  return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -341,6 +270,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
   if not args.command:
     parser.error("no command given (put it after --)")
+  for name in ("processes", "devices_per_process"):
+    if getattr(args, name) < 1:
+      parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
   if args.link_rate is not None:
     try:
       _shaped_links.link_rates(args.link_rate, args.processes)
@@ -363,11 +295,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv: the arguments after the program name (default ``sys.argv[1:]``).
 
   Returns:
-    The exit code of `launch`; 2 where shaped links cannot be made here (the
-    message says why and what to do), 130 on Ctrl-C (every process of the
-    run stopped).
+    The exit code of `launch`; 127 where the command is not found, 2 where
+    shaped links cannot be made here (the message says why and what to do),
+    130 on Ctrl-C (every process of the run stopped).
   """
   args = parse_args(argv)
+  if shutil.which(args.command[0]) is None:
+    print(f"[launch] command not found: {args.command[0]!r} (not on PATH, nor an executable "
+          "file)", file=sys.stderr)
+    return 127
   try:
     return launch(
         args.command,

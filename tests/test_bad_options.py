@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -98,3 +100,23 @@ def test_every_sparsifier_takes_a_density_schedule_and_a_value_dtype(name):
   exdyna_jax.get_sparsifier(name, density={0: 0.1, 5: 0.01}, value_dtype="bfloat16")
   with pytest.raises(ValueError, match="value_dtype must be one of float32, bfloat16, float16"):
     exdyna_jax.get_sparsifier(name, density=0.01, value_dtype="int8")
+
+
+@pytest.mark.parametrize("name", METHODS_WITH_DENSITY)
+def test_an_exchange_past_int32_is_refused_at_trace_time(name):
+  """A model of 2**30 elements at density 0.5 on 8 workers: where the workers' buffers
+  together pass 2**31 entries, the trace stops with the count and the ways out (Top-k
+  used to raise a bare OverflowError); where they do not, it traces."""
+  grads = jax.ShapeDtypeStruct((8, 2**30), jnp.float32)
+
+  def trace(tx):
+    step = jax.vmap(lambda g: tx.update(g, tx.init(g)), axis_name=AXIS, axis_size=8)
+    return jax.eval_shape(step, grads)
+
+  try:
+    trace(exdyna_jax.get_sparsifier(name, density=0.5))
+  except ValueError as error:
+    assert re.search(r"8 workers would gather 8 x [\d]+ = [\d,]+ indices a step, past the "
+                     r"2,147,483,647.*Lower the density.*dense\(\)", str(error)), error
+  else:
+    assert name != "topk", "Top-k gathers n x k = 4 * 2**30 indices"

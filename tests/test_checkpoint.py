@@ -264,11 +264,11 @@ def test_restoring_onto_fewer_workers_names_the_fix(checkpointed):
       match=rf"initialized for {NUM_WORKERS} workers but axis 'data' has {half}.*resize_workers",
   ):
     step(params, opt_state, x[0, :half], y[0, :half])
-  # The fix it names runs: the residual mass is kept and training goes on.
+  # The fix it names runs: what the parameters are owed is kept and training goes on.
   resized = exdyna_jax.resize_workers(make_tx(), opt_state, params, half)
   np.testing.assert_allclose(
-      optax.tree.get(resized, "residual").sum(0),
-      np.asarray(optax.tree.get(opt_state, "residual")).sum(0),
+      optax.tree.get(resized, "residual").mean(0),
+      np.asarray(optax.tree.get(opt_state, "residual")).mean(0),
       atol=1e-5,
   )
   _, resized = step(params, resized, x[0, :half], y[0, :half])
@@ -289,3 +289,34 @@ def test_restoring_without_a_target_names_the_fix(checkpointed):
   with pytest.raises(TypeError, match=r"is a dict.*restored without a target.*StandardRestore"):
     step(restored["params"], restored["opt_state"], x[0], y[0])
   gc.collect()
+
+
+@pytest.mark.parametrize("name", exdyna_jax.available_sparsifiers())
+def test_a_state_for_renamed_leaves_is_refused_naming_them(name):
+  """Two leaves of one size renamed so their order flips (``attention`` becomes ``norm``):
+  the shapes fit, but each leaf's residual would be added to the other. The step stops
+  and lists the leaves; ``dense()``, which holds no residual, goes on."""
+  tx = exdyna_jax.get_sparsifier(name, **({} if name == "dense" else {"density": 0.05}))
+  size = 256
+
+  def init(tree):
+    return jax.vmap(tx.init, in_axes=None, axis_name="data", axis_size=4)(tree)
+
+  @jax.jit
+  def step(state, grads):
+    return jax.vmap(lambda g, s: tx.update(g, s)[1], axis_name="data")(grads, state)
+
+  ones = np.ones((4, size), np.float32)
+  saved = init({"attention": jnp.zeros(size), "mlp": jnp.zeros(size)})
+  saved = step(saved, {"attention": ones, "mlp": 2 * ones})
+  saved = step(saved, {"attention": ones, "mlp": 2 * ones})  # the same tree: no false alarm
+  # A new process restores it onto the target its new model gives: the shapes fit.
+  target = init({"mlp": jnp.zeros(size), "norm": jnp.zeros(size)})
+  state = jax.tree.map(lambda _, stored: stored, target, saved)
+  if name == "dense":
+    jax.block_until_ready(step(state, {"mlp": ones, "norm": ones}))
+    return
+  with pytest.raises((ValueError, jax.errors.JaxRuntimeError),
+                     match=r"laid out for another parameter tree.*renamed, reordered.*"
+                           r"\['mlp'\] \(256,\), \['norm'\] \(256,\).*tx\.init"):
+    jax.block_until_ready(step(state, {"mlp": ones, "norm": ones}))

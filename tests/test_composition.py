@@ -107,6 +107,19 @@ def test_multisteps_inside_the_chain_sparsifies_every_micro_batch():
   np.testing.assert_array_equal(np.asarray(exdyna_jax.get_stats(states).step)[0], [1, 2, 3, 4])
 
 
+def test_multisteps_around_a_sparsifier_is_warned_about_and_a_skip_function_refused():
+  """optax calls the inner update on every micro-step: data_parallel warns of the traffic;
+  a per-worker skip function would put the workers out of step (a hang), so it is refused."""
+  mesh = harness.mesh_of(NUM_WORKERS)
+  chain = optax.chain(partitioned_sparsifier(), optax.sgd(0.1))
+  with pytest.warns(UserWarning, match=r"every micro-step.*k times the traffic.*inside your step"):
+    exdyna_jax.data_parallel(optax.MultiSteps(chain, 4), mesh).init(params())
+  skipping = optax.MultiSteps(chain, 4, should_skip_update_fn=optax.skip_not_finite)
+  with pytest.raises(ValueError, match=r"should_skip_update_fn.*falls out of step.*already "
+                                       r"skips.*drop should_skip_update_fn"):
+    exdyna_jax.data_parallel(skipping, mesh).init(params())
+
+
 # ------------------------------------------------ transforms after the sparsifier
 
 
@@ -150,6 +163,29 @@ def test_schedule_and_inject_hyperparams_drive_the_downstream_learning_rate():
   np.testing.assert_allclose(
       np.asarray(states[1].hyperparams["learning_rate"])[0], schedule(jnp.arange(4)), rtol=1e-6
   )
+
+
+def test_a_hyperparameter_set_by_hand_needs_the_worker_axis_and_is_told_so():
+  """``state[1].hyperparams["learning_rate"] = 0.01``, as optax documents it, has no worker
+  axis: dp.step names the leaf and how to set it; set that way, the rate takes effect."""
+  tx = optax.chain(sparsifier(), optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
+  dp = exdyna_jax.data_parallel(tx, harness.mesh_of(NUM_WORKERS))
+
+  @dp.step
+  def train_step(params, opt_state, batch):
+    updates, opt_state = tx.update(jax.tree.map(lambda g: g[0], batch), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  opt_state = dp.init(params())
+  opt_state[1].hyperparams["learning_rate"] = 0.0
+  batch = jax.tree.map(lambda g: g[:, 0], gradients(1))  # a gradient a worker, as its batch
+  with pytest.raises(ValueError, match=r"opt_state\[1\]\.hyperparams\['learning_rate'\] has "
+                                       rf"shape \(\).*jnp\.full\({NUM_WORKERS}, 0\.01\)"):
+    train_step(params(), opt_state, batch)
+  opt_state[1].hyperparams["learning_rate"] = jnp.full(NUM_WORKERS, 0.0)
+  new_params, _ = train_step(params(), opt_state, batch)
+  for got, want in zip(jax.tree.leaves(new_params), jax.tree.leaves(params()), strict=True):
+    np.testing.assert_array_equal(got, want)  # rate 0: nothing moves
 
 
 def test_inject_hyperparams_around_the_whole_chain_needs_density_static():
@@ -314,6 +350,18 @@ def test_a_chain_without_a_sparsifier_is_refused_by_data_parallel():
   dp = exdyna_jax.data_parallel(optax.sgd(0.1), harness.mesh_of(NUM_WORKERS))
   with pytest.raises(ValueError, match=r"tx holds no sparsifier.*exdyna_jax\.dense\(\)"):
     dp.init(params())
+
+
+def test_a_gradient_without_the_worker_axis_is_refused_by_dp_update():
+  """dp.update takes [n, ...] per-worker gradients; a global one is named, with the fix."""
+  dp = exdyna_jax.data_parallel(optax.chain(sparsifier(), optax.sgd(0.1)),
+                                harness.mesh_of(NUM_WORKERS))
+  opt_state = dp.init(params())
+  global_grads = jax.tree.map(lambda g: g[:, 0].mean(axis=0), gradients(1))
+  with pytest.raises(ValueError, match=rf"leading worker axis of {NUM_WORKERS} .*gradient leaf "
+                                       r"\['b'\] has "
+                                       r"shape \(\d+,\), for a parameter of shape.*value_and_grad"):
+    dp.update(global_grads, opt_state, params())
 
 
 def test_leaves_kept_dense_in_their_own_group_get_the_exact_mean():

@@ -14,6 +14,8 @@ from exdyna_jax import _cli, _early_selection, _guard
 from exdyna_jax.demo import report, traffic
 from exdyna_jax.demo.hlo import SELECTED_AGAIN_SCOPE, SKIPPED_STEP_SCOPE
 
+pytestmark = pytest.mark.slow  # the tools end to end: `-m "not slow"` leaves them out
+
 STEPS = 12
 PLOTS = ("loss.png", "density_threshold.png", "partitions.png", "bytes.png")
 
@@ -158,6 +160,10 @@ def test_cli_help_and_bad_arguments(capsys):
     with pytest.raises(SystemExit):
       _cli.main(["demo", "--network", bad])
     assert "SECONDS,BYTES_PER_SECOND" in capsys.readouterr().err
+  # --workers is the one-process run's: with --processes it would be ignored.
+  with pytest.raises(SystemExit):
+    _cli.main(["demo", "--workers", "3", "--processes", "2"])
+  assert "with --processes each process is one worker: drop --workers" in capsys.readouterr().err
 
 
 def test_python_dash_m_entry_point():
@@ -169,8 +175,9 @@ def test_python_dash_m_entry_point():
 
 
 def test_plots_show_each_partitions_share_and_the_bytes_against_dense():
-  """partitions.png: size over N/n per partition and step (a heat map) and its median;
-  bytes.png: a bar per method at its mean bytes, the compiled count marked, 1/x of dense."""
+  """partitions.png: size over N/n per partition and step (a heat map, its colour scale as
+  wide as the data) and its median; bytes.png: a bar per method at its mean bytes on a linear
+  axis from 0, the compiled count marked, 1/x of dense."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -186,6 +193,8 @@ def test_plots_show_each_partitions_share_and_the_bytes_against_dense():
   assert shares.shape == (4, 3)  # a row per partition, a column per step
   assert shares[2].tolist() == [40 * 4 / 100, 40 * 4 / 100, 60 * 4 / 100]
   assert [bar.get_width() for bar in ax_median.patches] == [0.4, 0.8, 1.6, 0.8]
+  low, high = ax_map.get_images()[0].norm.vmin, ax_map.get_images()[0].norm.vmax
+  assert (low, high) == (1 / 4, 4)  # shares in [0.4, 2.4]: 1/4 to 4, not 1/1024 to 1024
   dense = SimpleNamespace(method="dense", hlo_bytes=50_000,
                           records=[{"bytes_sent": 50_000}] * 3)
   fig, ax = plt.subplots()
@@ -193,7 +202,7 @@ def test_plots_show_each_partitions_share_and_the_bytes_against_dense():
   assert sorted(bar.get_width() for bar in ax.patches) == [1001.0, 50_000.0]
   labels = [text.get_text() for text in ax.texts]
   assert any("1/50 of dense" in label for label in labels), labels
-  assert ax.get_xscale() == "log"
+  assert ax.get_xscale() == "linear" and ax.get_xlim()[0] == 0  # lengths in proportion
   # A worker alone (one GPU) sends nothing: a linear axis, no warning.
   alone = [SimpleNamespace(method=r.method, hlo_bytes=0, records=[{"bytes_sent": 0}])
            for r in (dense, run)]

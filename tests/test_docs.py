@@ -23,6 +23,8 @@ import pytest
 
 import exdyna_jax
 
+pytestmark = pytest.mark.slow  # the tools end to end: `-m "not slow"` leaves them out
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = ["index", "quickstart", "how_exdyna_works", "choosing_a_method", "usage", "multihost",
@@ -177,6 +179,8 @@ def test_readme_training_step_runs_as_shown_in_a_fresh_process_with_one_device(t
                           env={**env, "JAX_PLATFORMS": "cpu"}, timeout=120, check=False)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "devices 1 step 1" in result.stdout
+  assert "data_parallel over one worker" in result.stderr  # and how to get more
+  assert "jax_num_cpu_devices" in result.stderr
 
 
 def test_readme_is_short_and_links_to_the_pages():

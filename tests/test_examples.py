@@ -10,6 +10,8 @@ import pytest
 
 from exdyna_jax.demo import report
 
+pytestmark = pytest.mark.slow  # the tools end to end: `-m "not slow"` leaves them out
+
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import language_model
 from benchmarks.report import _format
 from benchmarks.report import language_model as section
+
+pytestmark = pytest.mark.slow  # the tools end to end: `-m "not slow"` leaves them out
 
 
 def test_quick_run_records_each_variant_and_the_report_compares_them_with_ddp(tmp_path):

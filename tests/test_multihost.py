@@ -30,6 +30,8 @@ from exdyna_jax import launch
 from tests.subprocesses import finish as _finish
 from tests.subprocesses import start as _start
 
+pytestmark = pytest.mark.slow  # the tools end to end: `-m "not slow"` leaves them out
+
 WORKER = str(Path(__file__).with_name("multihost_worker.py"))
 CHECKPOINT_WORKER = str(Path(__file__).with_name("multihost_checkpoint_worker.py"))
 
@@ -204,6 +206,14 @@ def test_launcher_rejects_bad_arguments():
   ]
   with pytest.raises(SystemExit):
     launch.parse_args(["--processes=2"])  # no command
+  for bad in (["--processes=0"], ["--devices-per-process=-1"]):
+    with pytest.raises(SystemExit):  # a usage error, not a traceback
+      launch.parse_args([*bad, "--", "python", "-c", "1"])
+
+
+def test_a_command_that_does_not_exist_is_named_with_exit_127(capsys):
+  assert launch.main(["--processes=2", "--", "no-such-command-exdyna"]) == 127
+  assert "command not found: 'no-such-command-exdyna'" in capsys.readouterr().err
 
 
 # A jitted program whose 58 MB temporary is allocated at every execution;
@@ -297,3 +307,48 @@ def test_workers_die_with_the_launcher():
   while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
     time.sleep(0.1)
   assert all(_gone(pid) for pid in pids)
+
+
+class _Exits:
+  """A worker process stand-in: ``poll()`` is None until ``after`` seconds, then ``code``."""
+
+  def __init__(self, code, after):
+    self.code, self.at = code, time.monotonic() + after
+
+  def poll(self):
+    return self.code if time.monotonic() >= self.at else None
+
+
+def test_a_rank_that_exits_0_early_is_named(monkeypatch):
+  """Rank 1 leaves with 0 while rank 0 runs on (and later aborts, waiting for it): the
+  launcher says which rank left, and the abort's message points there."""
+  from exdyna_jax import _processes
+
+  monkeypatch.setattr(_processes, "EARLY_EXIT_GRACE", 0.2)
+  said = []
+  code = _processes.wait([_Exits(-6, 0.6), _Exits(0, 0.0)], timeout=10, say=said.append)
+  assert code == 128 + 6
+  assert len(said) == 2 and said[0].startswith("rank(s) [1] exited with 0")
+  assert said[1].startswith("rank 0 killed by signal 6 (after rank(s) [1] had exited with 0")
+  said.clear()  # a healthy run whose ranks finish apart within the grace: nothing said
+  assert _processes.wait([_Exits(0, 0.1), _Exits(0, 0.0)], timeout=10, say=said.append) == 0
+  assert said == []
+
+
+def test_a_script_started_by_slurm_or_mpirun_joins_the_run(monkeypatch):
+  """Without EXDYNA_* variables, Slurm's or Open MPI's own make initialize_from_env call
+  jax.distributed.initialize() (which reads the ranks from them) and check the count."""
+  import jax
+
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+  monkeypatch.setattr(jax, "process_count", lambda: 4)
+  assert launch.initialize_from_env({"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}) is True
+  assert launch.initialize_from_env({"OMPI_COMM_WORLD_SIZE": "4"}) is True
+  assert calls == [((), {}), ((), {})]
+  assert launch.initialize_from_env({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is False
+  assert len(calls) == 2  # one task: a single process, nothing joined
+  monkeypatch.setattr(jax, "process_count", lambda: 1)
+  with pytest.raises(RuntimeError, match=r"Slurm started 4 tasks, but jax\.distributed found 1 "
+                                         r"process\(es\): each would train alone"):
+    launch.initialize_from_env({"SLURM_NTASKS": "4", "SLURM_PROCID": "2"})

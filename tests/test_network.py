@@ -124,10 +124,20 @@ def test_gathered_values_give_the_all_reduced_run_and_count_their_bytes(value_dt
     (exdyna_jax.Network(0.0, 1e8), ValueError),
     (exdyna_jax.Network(1e-3, float("inf")), ValueError),
     (exdyna_jax.Network(-1e-3, 1e8), ValueError),
+    (exdyna_jax.Network(True, 1e8), TypeError),
+    (exdyna_jax.Network(1e-3, "1e8"), TypeError),
 ])
 def test_a_network_is_two_positive_numbers(network, error):
   with pytest.raises(error, match=r"[Nn]etwork"):
     exdyna_jax.exdyna(0.01, network=network)
+
+
+def test_numpy_and_jax_scalars_make_a_network():
+  network = exdyna_jax.Network(np.float32(1e-3), jnp.asarray(1.25e8))
+  checked = _network.check_network(network)
+  assert all(type(value) is float for value in checked)
+  np.testing.assert_allclose(checked, (1e-3, 1.25e8), rtol=1e-6)
+  exdyna_jax.exdyna(0.01, network=exdyna_jax.Network(np.float64(1e-3), np.int64(10**8)))
 
 
 def test_the_demo_passes_its_network_to_exdyna_only():
@@ -169,7 +179,11 @@ def test_a_network_is_measured_on_the_axis_it_is_asked_for():
   mesh = jax.make_mesh((4, 2), ("node", "local"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   network = exdyna_jax.Network.measure(mesh, "node", repeats=2)
   assert isinstance(network.message_seconds, float) and network.message_seconds > 0
-  assert _network.check_network(network) is network
+  assert _network.check_network(network) == network
+  with pytest.raises(ValueError, match=r"no axis 'data' \(its axes: \('node', 'local'\)\)"):
+    exdyna_jax.Network.measure(mesh)
+  with pytest.raises(ValueError, match="repeats must be a positive int"):
+    exdyna_jax.Network.measure(mesh, "node", repeats=0)
   with pytest.raises(ValueError, match="two or more workers along 'single'"):
     exdyna_jax.Network.measure(
         jax.make_mesh((1,), ("single",), axis_types=(jax.sharding.AxisType.Auto,)), "single")

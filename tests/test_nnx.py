@@ -181,8 +181,63 @@ def test_mean_of_a_counter_is_refused(mesh):
   def count(counter, x):
     counter.seen[...] += x.shape[0]
 
-  with pytest.raises(TypeError, match="'sum' for counts"):
+  with pytest.raises(TypeError, match=r"'sum' for counts.*'same' for a counter"):
     count(Counter(), np.ones((WORKERS, 2)))
+
+
+def test_a_counter_every_worker_advances_alike_is_kept_with_same(mesh):
+  """``"same"``: a step counter stays the count of steps (``"sum"`` would give n times it);
+  a value that depends on each worker's batch stops the step."""
+  class Counter(nnx.Module):
+    def __init__(self):
+      self.steps = nnx.BatchStat(jnp.zeros((), jnp.int32))
+      self.last = nnx.BatchStat(jnp.zeros(()))
+
+  dp = exdyna_jax.data_parallel(exdyna_jax.dense(), mesh)
+
+  @exdyna_jax.nnx_step(dp, reduce={nnx.BatchStat: "same"})
+  def count(counter, x):
+    counter.steps[...] += 1
+
+  counter = Counter()
+  for _ in range(3):
+    count(counter, np.ones((WORKERS, 2)))
+  assert int(counter.steps[...]) == 3
+
+  @exdyna_jax.nnx_step(dp, reduce={nnx.BatchStat: "same"})
+  def remember(counter, x):
+    counter.last[...] = x.sum()
+
+  with pytest.raises((ValueError, jax.errors.JaxRuntimeError),
+                     match=r"reduce='same' for .*last.*the workers' values differ.*'mean'"):
+    remember(counter, np.arange(WORKERS * 2, dtype=np.float32).reshape(WORKERS, 2))
+    jax.block_until_ready(counter.last[...])
+
+
+def test_scalars_after_the_batch_reach_every_worker_as_they_are(mesh):
+  """A learning-rate scale and a key: every worker gets them whole (not split); a tuple
+  holding NNX objects is refused with what to do."""
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  dp = exdyna_jax.data_parallel(optax.chain(exdyna_jax.dense(), optax.sgd(1.0)), mesh)
+  optimizer = exdyna_jax.nnx_optimizer(dp, model, wrt=nnx.Param)
+
+  @exdyna_jax.nnx_step(dp)
+  def train_step(model, optimizer, x, scale, key):
+    noise = jax.random.normal(key, ())  # the same key on every worker
+    loss, grads = nnx.value_and_grad(lambda m: scale * (m(x) ** 2).mean())(model)
+    optimizer.update(model, grads)
+    return loss, noise
+
+  x = np.ones((WORKERS, 2), np.float32)
+  before = np.asarray(model.kernel[...])  # a copy: the step donates the model's arrays
+  losses, noise = train_step(model, optimizer, x, 0.5, jax.random.key(3))
+  expected = 0.5 * float(jnp.mean(nnx.Linear(2, 1, rngs=nnx.Rngs(0))(x[:1]) ** 2))
+  np.testing.assert_allclose(losses, np.full(WORKERS, expected), rtol=1e-6)
+  np.testing.assert_array_equal(noise, np.full(WORKERS, noise[0]))
+  assert not np.allclose(model.kernel[...], before)
+  with pytest.raises(TypeError, match=r"Argument 0 of the step is a tuple holding NNX objects.*"
+                                       r"an argument of its own"):
+    train_step((model, optimizer), x, 0.5, jax.random.key(3))
 
 
 def test_a_step_that_adds_a_variable_is_refused(mesh):

@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import exdyna_jax
-from exdyna_jax import _guard
+from exdyna_jax import _guard, _stats
 from tests import harness
 
 NUM_WORKERS = 4
@@ -89,7 +89,8 @@ def without_guard_fields(state):
   stats = optax.tree.get(state, "stats")
   return optax.tree.set(
       state,
-      stats=stats._replace(nonfinite=None, skipped_steps=None, bytes_sent=None, bytes_total=None),
+      stats=stats._replace(nonfinite=None, skipped_steps=None, bytes_sent=None, bytes_total=None,
+                           layout=None),
   )
 
 
@@ -246,7 +247,8 @@ def count_nonfinite(values):
 
 def screen(values):
   """`_guard.screen` on one worker of an axis of one."""
-  return _guard.screen(values, jnp.int32(1), 1, "data")
+  stats = _stats.initial_stats(0.0, *_stats.whole_vector(1, 1))  # one worker, no layout
+  return _guard.screen(values, stats, 1, "data")
 
 
 @pytest.mark.parametrize("name", ["dense", "exdyna"])

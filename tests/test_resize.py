@@ -1,9 +1,9 @@
-"""resize_workers: a state of n workers continues on m, with nothing of the residual lost.
+"""resize_workers: a state of n workers continues on m, and the parameters get what they are owed.
 
-Conservation across the resizes is the specification: over a whole run,
-8 -> 4 -> 8 workers, what every worker was given equals what was applied
-(each step's update times that step's worker count) plus what the residuals
-still hold.
+Conservation across the resizes is the specification: each step the
+parameters are owed the workers' mean gradient, and over a whole run,
+8 -> 4 -> 8 -> 1 workers, what they were owed equals what was applied plus
+the workers' mean residual (what they are still owed).
 """
 
 from __future__ import annotations
@@ -45,34 +45,73 @@ def stepper(tx):
   return run
 
 
-def residual_sum(state):
+def still_owed(state):
+  """The workers' mean residual: what the parameters have not yet received."""
   residual = optax.tree.get(state, "residual")
-  return np.zeros(N) if residual is None else np.asarray(residual, np.float64).sum(0)
+  return np.zeros(N) if residual is None else np.asarray(residual, np.float64).mean(0)
 
 
 @pytest.mark.parametrize("name", exdyna_jax.available_sparsifiers())
-def test_eight_to_four_to_eight_workers_keeps_the_mass(name):
+def test_eight_to_four_to_eight_to_one_workers_apply_what_was_owed(name):
   tx = make_tx(name)
   params = jnp.zeros(N)
   rng = np.random.default_rng(0)
-  given = np.zeros(N)
+  owed = np.zeros(N)  # the sum over steps of the workers' mean gradient
   applied = np.zeros(N)
   state = jax.vmap(tx.init, in_axes=None, axis_name=AXIS, axis_size=8)(params)
   run = stepper(tx)  # compiles once per worker count
-  for workers in (8, 4, 8):
+  for workers in (8, 4, 8, 1):
     if optax.tree.get(state, "stats").workloads.shape[0] != workers:
-      before = residual_sum(state)
+      before = still_owed(state)
       state = exdyna_jax.resize_workers(tx, state, params, workers)
-      np.testing.assert_allclose(residual_sum(state), before, rtol=0, atol=1e-5)
+      np.testing.assert_allclose(still_owed(state), before, rtol=0, atol=1e-5)
     assert optax.tree.get(state, "stats").workloads.shape[0] == workers
     grads = rng.standard_t(3, size=(workers, STEPS, N)).astype(np.float32)
     state, updates = run(state, grads)
     updates = np.asarray(updates, np.float64)
-    given += grads.astype(np.float64).sum(axis=(0, 1))
-    applied += workers * updates.sum(axis=0)
-    assert np.isfinite(updates).all() and np.isfinite(residual_sum(state)).all()
-  np.testing.assert_allclose(residual_sum(state) + applied, given, rtol=0, atol=1e-4)
-  assert int(optax.tree.get(state, "stats").step[0]) == 3 * STEPS
+    owed += grads.astype(np.float64).mean(axis=0).sum(axis=0)
+    applied += updates.sum(axis=0)
+    assert np.isfinite(updates).all() and np.isfinite(still_owed(state)).all()
+  np.testing.assert_allclose(still_owed(state) + applied, owed, rtol=0, atol=1e-4)
+  assert int(optax.tree.get(state, "stats").step[0]) == 4 * STEPS
+
+
+def test_a_flush_after_resizing_applies_exactly_what_was_owed():
+  """8 workers hold residuals; on 2 (or 16), a dense step of zero gradients hands the
+  parameters the old workers' mean residual, not m/n times it."""
+  tx = exdyna_jax.topk(0.02)
+  params = jnp.zeros(N)
+  grads = np.random.default_rng(2).normal(size=(8, STEPS, N)).astype(np.float32)
+  state, updates = stepper(tx)(jax.vmap(tx.init, in_axes=None, axis_name=AXIS, axis_size=8)(
+      params), grads)
+  owed = grads.astype(np.float64).mean(0).sum(0) - np.asarray(updates, np.float64).sum(0)
+  flush = exdyna_jax.topk(1.0)  # sends everything: the same state type, a dense step
+  for workers in (2, 16):
+    resized = exdyna_jax.resize_workers(tx, state, params, workers)
+    _, flushed = stepper(flush)(resized, np.zeros((workers, 1, N), np.float32))
+    np.testing.assert_allclose(np.asarray(flushed[0], np.float64), owed, rtol=0, atol=1e-5)
+
+
+def test_leaves_the_workers_hold_apart_become_their_mean():
+  """optax.MultiSteps' accumulated gradient differs per worker between emitted steps."""
+  tx = optax.MultiSteps(optax.chain(make_tx("exdyna"), optax.sgd(0.1)), every_k_schedule=2)
+  params = jnp.zeros(N)
+  grads = np.random.default_rng(3).normal(size=(8, 1, N)).astype(np.float32)
+  state, _ = stepper(tx)(jax.vmap(tx.init, in_axes=None, axis_name=AXIS, axis_size=8)(params),
+                         grads)
+  resized = exdyna_jax.resize_workers(tx, state, params, 4)
+  np.testing.assert_allclose(resized.acc_grads, np.stack([grads[:, 0].mean(0)] * 4), atol=1e-6)
+  np.testing.assert_array_equal(resized.mini_step, [1] * 4)  # the same on every worker: kept
+
+
+def test_an_integer_leaf_the_workers_hold_apart_is_refused():
+  tx = optax.chain(make_tx("topk"), optax.scale_by_schedule(lambda count: 1.0))
+  params = jnp.zeros(N)
+  state = jax.vmap(tx.init, in_axes=None, axis_name=AXIS, axis_size=4)(params)
+  state = (state[0], optax.ScaleByScheduleState(count=jnp.arange(4, dtype=jnp.int32)))
+  with pytest.raises(ValueError, match=r"int32 leaf of the state differs between workers.*"
+                                       r"an integer has none"):
+    exdyna_jax.resize_workers(tx, state, params, 2)
 
 
 def test_the_rest_of_the_chain_and_the_controller_carry_over():
@@ -134,3 +173,15 @@ def test_a_worker_axis_cut_or_padded_to_fit_is_refused(name, saved, restored):
     r"and its arrays were cut or padded.*resize_workers",
   ):
     jax.block_until_ready(stepper(tx)(fitted, grads))
+
+
+def test_a_hierarchical_state_is_refused_with_what_to_do():
+  """Its init needs the fast axis bound too: the error says it cannot be resized and why."""
+  tx = exdyna_jax.hierarchical(exdyna_jax.topk(0.25, axis_name="node"))
+  params = jnp.zeros(N)
+  per_node = jax.vmap(tx.init, in_axes=None, axis_name="local", axis_size=2)
+  state = jax.vmap(per_node, in_axes=None, axis_name="node", axis_size=2)(params)
+  state = jax.tree.map(lambda x: x.reshape(4, *x.shape[2:]), state)
+  with pytest.raises(ValueError, match=r"one worker axis, 'node'.*fast axis 'local' is not "
+                                       r"bound.*cannot be resized.*tx\.init on the new mesh"):
+    exdyna_jax.resize_workers(tx, state, params, 2, axis_name="node")

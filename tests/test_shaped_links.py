@@ -25,6 +25,8 @@ import pytest
 from exdyna_jax import _shaped_links
 from tests import subprocesses
 
+pytestmark = pytest.mark.slow  # the tools end to end: `-m "not slow"` leaves them out
+
 WORKER = str(Path(__file__).with_name("shaped_links_worker.py"))
 HARD_TIMEOUT = 90.0  # seconds per launcher run; a healthy one takes ~5 s
 # Runs its arguments (a program and its own) with SIGINT at its default disposition.

@@ -16,6 +16,8 @@ import pytest
 import exdyna_jax
 from benchmarks import soak
 
+pytestmark = pytest.mark.slow  # the tools end to end: `-m "not slow"` leaves them out
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -71,3 +71,9 @@ def test_a_bfloat16_gradient_comes_back_bfloat16():
   params = jnp.zeros(8, jnp.bfloat16)
   updates, state = tx.update(jnp.ones(8, jnp.bfloat16), tx.init(params))
   assert updates.dtype == jnp.bfloat16 and state.nu.dtype == jnp.float32
+
+
+def test_a_sparsifier_that_is_not_one_of_the_methods_is_refused_at_init():
+  tx = exdyna_jax.sparse_adamw(optax.sgd(0.1), 1e-3)  # would leave every worker alone
+  with pytest.raises(TypeError, match=r"sparse_adamw's sparsifier is .*train alone"):
+    jax.vmap(tx.init, in_axes=None, axis_name="data", axis_size=4)(jnp.zeros(64))

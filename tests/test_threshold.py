@@ -277,6 +277,18 @@ def test_chunks_are_a_quarter_of_a_fair_share_within_bounds():
   assert _selection.chunk_length(5_000, 8) == 5_000
 
 
+@pytest.mark.parametrize("begin", [0, 1, 2**30])
+@pytest.mark.parametrize("chunk", [4096, 2**20, 2**30])
+def test_a_partition_near_the_int32_limit_is_counted_in_whole_chunks(begin, chunk):
+  """``ceil((end - begin) / chunk)`` for a partition ending at ``2**31 - 1``: no
+  intermediate past int32 (it used to give a negative count, so nothing was read)."""
+  end = 2**31 - 1
+  for traced in (False, True):
+    count = (jax.jit(_selection.num_chunks, static_argnums=2) if traced
+             else _selection.num_chunks)(jnp.int32(begin), jnp.int32(end), chunk)
+    assert int(count) == -(-(end - begin) // chunk)
+
+
 @pytest.mark.parametrize("num_elements", [1000, 1001])
 @pytest.mark.parametrize("chunk", [1, 32, 96, 1000])
 def test_a_range_is_read_once_in_chunks_from_its_first_element(num_elements, chunk):

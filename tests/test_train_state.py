@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import struct
 from flax.training.train_state import TrainState
 from jax import P
 
@@ -105,6 +106,44 @@ def test_a_dense_train_state_step_is_the_mean_over_workers(mesh):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   assert int(state.examples) == 3 * 4 * WORKERS and int(state.step) == 3
   assert int(dp.stats(state.opt_state).step) == 3
+
+
+def test_a_field_every_worker_advances_alike_is_kept_with_same(mesh):
+  """``"same"`` for ``epoch_steps + 1``: 3 after 3 steps on 8 workers (``"sum"`` gave 24)."""
+  model = Net()
+  dp = exdyna_jax.data_parallel(optax.chain(exdyna_jax.dense(), optax.sgd(LR)), mesh)
+  state = new_state(dp, model)
+
+  @exdyna_jax.train_state_step(dp, reduce={"batch_stats": "mean", "examples": "same"})
+  def train_step(state, batch):
+    grad_fn = jax.value_and_grad(loss_and_stats, has_aux=True)
+    (_, batch_stats), grads = grad_fn(state.params, state.batch_stats, state.apply_fn, batch)
+    return state.apply_gradients(grads=grads, batch_stats=batch_stats,
+                                 examples=state.examples + 1)
+
+  for seed in range(3):
+    state = train_step(state, batch(seed))
+  assert int(state.examples) == 3 == int(state.step)
+
+
+class EpochState(TrainState):
+  epoch: int = struct.field(pytree_node=False, default=0)
+
+
+def test_a_step_that_changes_a_static_field_is_told_why_not(mesh):
+  """``pytree_node=False`` fields are part of the compiled program: the message says so."""
+  model = Net()
+  dp = exdyna_jax.data_parallel(optax.chain(exdyna_jax.dense(), optax.sgd(LR)), mesh)
+  params, _ = initial(model)
+  state = exdyna_jax.create_train_state(dp, EpochState, apply_fn=model.apply, params=params)
+
+  @exdyna_jax.train_state_step(dp)
+  def next_epoch(state, batch):
+    return state.replace(epoch=state.epoch + 1)
+
+  with pytest.raises(TypeError, match=r"field 'epoch', declared pytree_node=False.*"
+                                      r"pytree_node=True.*'same'.*outside the step"):
+    next_epoch(state, batch())
 
 
 def test_the_opt_state_is_per_worker_and_the_rest_replicated(mesh):

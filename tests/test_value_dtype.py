@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
 
 import exdyna_jax
@@ -114,3 +115,24 @@ def test_bf16_values_cut_the_bytes_and_the_all_reduce_is_bf16():
 def test_other_value_dtypes_are_refused(value_dtype):
   with pytest.raises(ValueError, match="value_dtype must be one of float32, bfloat16, float16"):
     exdyna_jax.exdyna(0.01, value_dtype=value_dtype)
+
+
+@pytest.mark.parametrize("name", harness.SPARSIFYING)
+def test_a_float16_leaf_past_its_range_is_clipped_and_the_rest_kept(name):
+  """Accumulated values past float16's 65,504: the update is clipped to it, never inf,
+  and what it could not carry stays owed (the workers' mean residual)."""
+  workers, steps, size = 8, 3, 4096
+  rng = np.random.default_rng(0)
+  grads = rng.normal(size=(workers, steps, size))
+  grads[:, :, :400] = 60_000.0  # every worker, every step: more than k of them
+  grads = grads.astype(np.float16)
+  tx = exdyna_jax.get_sparsifier(name, density=0.05)
+  updates, states, _ = harness.run_vmap(tx, jnp.zeros(size, jnp.float16), grads)
+  updates = np.asarray(updates, np.float64)
+  residual = np.asarray(optax.tree.get(states, "residual"), np.float64)[:, -1]
+  assert np.isfinite(updates).all() and np.isfinite(residual).all()
+  assert np.abs(updates).max() <= 65_504
+  assert int(np.asarray(exdyna_jax.get_stats(states).nonfinite).sum()) == 0
+  owed = grads.astype(np.float64).mean(axis=0).sum(axis=0)
+  np.testing.assert_allclose(updates[0].sum(axis=0) + residual.mean(axis=0), owed, rtol=1e-6,
+                             atol=1e-2)

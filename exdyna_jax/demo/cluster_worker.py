@@ -106,7 +106,8 @@ def train_timed(variant: str, task: Task, config: TrainConfig, mesh: jax.shardin
     step_seconds.append(time.perf_counter() - start)
     seconds += step_seconds[-1]
     step += 1
-    if step % config.eval_every == 0:  # every process decides alike: on the slowest one's clock
+    last = budget is None and step == config.steps
+    if step % config.eval_every == 0 or last:  # every process alike: on the slowest one's clock
       seconds = barrier(seconds)
       score = float(evaluate(params)[metric])
       transmitted = int(local_value(dp.stats(opt_state).transmitted))
