@@ -21,7 +21,7 @@ cluster             the train step and time to accuracy over shaped links
                     when named, ``--only cluster,report``)
 language_model      a byte-level transformer: test loss, bytes and time to
                     dense's loss per exchange (``language_model.py``; about
-                    20 minutes: only run when named); language_model_code:
+                    30 minutes: only run when named); language_model_code:
                     the same on a second corpus (Python's source), fewer runs
 report              ``REPORT.md`` and plots (``report.py``)
 ==================  ==========================================================
@@ -61,8 +61,8 @@ DEFAULT_PARTS = tuple(part for part in PARTS
 
 
 # The second corpus: the baseline, per-step ExDyna both ways, DiLoCo and ExDyna's local steps.
-CODE_CORPUS_VARIANTS = ("ddp,exdyna@0.01,sparse_adamw@0.01,diloco@30,local@30@0.05,diloco@30:900,"
-                        "local@30@0.05:900")
+CODE_CORPUS_VARIANTS = ("ddp,exdyna@0.01,sparse_adamw@0.01,diloco@10,local@10@0.25,"
+                        "local_topk@10@0.05,ddp:900,sparse_adamw@0.01:900")
 
 
 def commands(results: pathlib.Path, quick: bool, cost_budget: float) -> dict[str, list[str]]:

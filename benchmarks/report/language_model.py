@@ -1,9 +1,9 @@
 """The REPORT section of the language-model benchmark (`language_model.py`).
 
-Every run is compared with ``ddp``'s final test loss: at equal steps (the
-runs of ``ddp``'s length), and by when it first reaches that loss: the
-step, the bytes each worker had sent, and the time an alpha-beta network
-would have taken (the steps' measured seconds here, plus every exchange's
+Every run is compared with a ``ddp`` run of its length at equal steps
+(``ddp`` or ``ddp:STEPS``), and with ``ddp``'s final test loss by when it
+first reaches it: the step, the bytes each worker had sent, and the time an
+alpha-beta network would have taken (the steps' measured seconds here, plus every exchange's
 messages and bytes on 1 Gb/s and 100 Mb/s links).
 """
 
@@ -21,7 +21,7 @@ RATES = {"1 Gb/s": 1.25e8, "100 Mb/s": 1.25e7}  # bytes per second
 def messages_per_exchange(variant: str, workers: int) -> int:
   """An all-reduce's ``2 ceil(log2 n)`` messages for ``dense()``; two all-gathers and an
   all-reduce (``4 ceil(log2 n)``) for a sparsifier."""
-  rounds = 1 if variant == "ddp" or variant.startswith("diloco") else 2
+  rounds = 1 if variant.startswith(("ddp", "diloco")) else 2
   return rounds * 2 * math.ceil(math.log2(workers))
 
 
@@ -39,10 +39,12 @@ def network_seconds(run: dict, step: int, workers: int, rate: float) -> float:
 
 def _rows(data: dict[str, Any], ddp: dict) -> list[list[str]]:
   target, workers = ddp["curve"][-1]["test_loss"], data["config"]["workers"]
+  ddp_of_length = {run["steps"]: run["curve"][-1]["test_loss"] for run in data["runs"]
+                   if run["variant"].partition(":")[0] == "ddp"}
   rows = []
   for run in data["runs"]:
     final = run["curve"][-1]["test_loss"]
-    same_length = run["steps"] == ddp["steps"]
+    equal_steps = ddp_of_length.get(run["steps"])
     reached = at_target(run, target)
     cells = ["not reached"] * (2 + len(RATES))
     if reached:
@@ -52,10 +54,11 @@ def _rows(data: dict[str, Any], ddp: dict) -> list[list[str]]:
                 for rate in RATES.values()]
     rows.append([
         f"`{run['variant']}`", str(run["steps"]), f"{final:.3f}",
-        f"{final / target - 1:+.1%}" if same_length else "",
+        f"{final / equal_steps - 1:+.1%}" if equal_steps else "",
         f"{run['bytes_sent'] / 2**20:.2f}",
-        f"{ddp['bytes_sent'] / run['bytes_sent']:,.0f}x" if run is not ddp else "1x",
-        f"{run['transmitted'] / run['target']:.3f}" if run["variant"] != "ddp" else "",
+        f"{ddp['bytes_sent'] / ddp['steps'] / (run['bytes_sent'] / run['steps']):,.0f}x",
+        f"{run['transmitted'] / run['target']:.3f}" if not run["variant"].startswith("ddp")
+        else "",
         *cells,
     ])
   return rows
@@ -84,8 +87,8 @@ def language_model_section(rep, data: dict[str, Any] | None, table, name: str) -
       f"machine's cores, so compute is overstated) plus, per exchange, {MESSAGE_SECONDS * 1e3:.0f} "
       "ms a message and the bytes at the link's rate."
   )
-  header = ["run", "steps", "final test loss", "vs ddp, equal steps", "MiB sent", "ddp bytes /",
-            "sent/k", "steps to ddp's loss", "MiB to it",
+  header = ["run", "steps", "final test loss", "vs ddp of its length", "MiB sent",
+            "ddp's bytes a step /", "sent/k", "steps to ddp's loss", "MiB to it",
             *(f"seconds to it, {name}" for name in RATES)]
   rep.add(table(header, _rows(data, ddp)))
   by_tokens = {run["variant"]: [(p["step"] * run["tokens_per_step"], p["test_loss"])

@@ -127,17 +127,21 @@ def step_curves(rates: Sequence[str], curves: dict[str, list[tuple[int, float]]]
 
 def loss_curves(panels: Sequence[tuple[str, str, dict[str, list[tuple[float, float]]]]],
                 target: float):
-  """Panels ``(title, x label, {run: [(x, loss)]})``; a dashed line at ``target``.
+  """Panels ``(title, x label, {run: [(x, loss)]})``; a dotted line at ``target``.
 
-  ``ddp`` in black; a longer run (``name:steps``) dashed.
+  A run and its longer version (``name:steps``, dashed) share a colour;
+  ``ddp`` is black.
   """
   fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
-  palette = plt.get_cmap("tab20").colors
+  palette = plt.get_cmap("tab10").colors
   for ax, (title, xlabel, curves) in zip(axes[0], panels, strict=True):
-    for i, (name, points) in enumerate(curves.items()):
+    bases = list(dict.fromkeys(name.partition(":")[0] for name in curves if name != "ddp"))
+    for name, points in curves.items():
+      base = name.partition(":")[0]
+      color = "k" if base == "ddp" else palette[bases.index(base) % len(palette)]
       ax.plot(*zip(*points, strict=True), lw=1, label=name, ls="--" if ":" in name else "-",
-              color="k" if name == "ddp" else palette[i % len(palette)])
-    ax.axhline(target, color="k", ls="--", lw=0.8, label="ddp's final loss")
+              color=color)
+    ax.axhline(target, color="k", ls=":", lw=0.8, label="ddp's final loss")
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("test loss (nats per byte)")
