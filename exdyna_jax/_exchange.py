@@ -24,9 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from exdyna_jax import _collectives, _spill
-
-MAX_GATHERED = 2**31 - 1  # every worker's buffer, together: int32 indices and counts
+from exdyna_jax import _collectives, _layout, _spill
 
 # Slots a `SparseUpdate` with ``live`` slots writes per iteration.
 LIVE_CHUNK = 1 << 14
@@ -317,10 +315,10 @@ def exchange(
 
 def check_gathered_size(num_workers: int, capacity: int) -> None:
   """Refuses ``n`` buffers of ``capacity`` indices that int32 cannot address together."""
-  if num_workers * capacity > MAX_GATHERED:
+  if num_workers * capacity > _layout.MAX_ELEMENTS:
     raise ValueError(
         f"{num_workers} workers would gather {num_workers} x {capacity} = "
-        f"{num_workers * capacity:,} indices a step, past the {MAX_GATHERED:,} that int32 "
+        f"{num_workers * capacity:,} indices a step, past the {_layout.MAX_ELEMENTS:,} that int32 "
         "indices and counts address. Lower the density, send with a method whose workers "
         "select apart (exdyna, micro: n x k/n in all), or exchange this model with dense()."
     )

@@ -232,7 +232,7 @@ def _psum_mode(
     mean = jax.tree.map(lambda s: s / size, total)  # float32: nothing rounded away yet
     update, state = sparsifier.update(mean, state, params, **extra_args)
     layout = _layout.layout_of(updates, what="gradient")
-    if all(jnp.finfo(dtype).bits >= 32 for dtype in layout.dtypes):  # static: nothing to round
+    if not _layout.narrow_dtypes(layout):  # static: nothing to round
       return jax.tree.map(lambda u, g: u.astype(g.dtype), update, updates), state
     flat, state = keep_what_rounding_loses(_layout.flatten(update), state, layout, 0)
     return _layout.unflatten(flat, layout), state

@@ -179,6 +179,11 @@ def flatten(tree: Any) -> jax.Array:
   return jnp.concatenate([jnp.ravel(leaf).astype(ACCUMULATION_DTYPE) for leaf in leaves])
 
 
+def narrow_dtypes(layout: FlatLayout) -> list[str]:
+  """The leaves' dtypes narrower than float32 (bfloat16, float16), sorted; static."""
+  return sorted({str(d) for d in layout.dtypes if jnp.finfo(d).bits < 32})
+
+
 def as_leaf_dtypes(indices: jax.Array, values: jax.Array, layout: FlatLayout) -> jax.Array:
   """float32 ``values`` at flat ``indices`` as the leaves' own dtypes will hold them.
 
@@ -195,7 +200,7 @@ def as_leaf_dtypes(indices: jax.Array, values: jax.Array, layout: FlatLayout) ->
   Returns:
     float32 ``[M]``.
   """
-  narrow = sorted({str(d) for d in layout.dtypes if jnp.finfo(d).bits < 32})
+  narrow = narrow_dtypes(layout)
   if not narrow:
     return values
   leaf_ends = np.cumsum(layout.sizes)

@@ -184,7 +184,7 @@ def wait(workers: Sequence[subprocess.Popen], timeout: float, say: Callable[[str
           "heartbeat times out.")
     if not running:
       return 0
-    if time.monotonic() > deadline:
+    if now > deadline:
       say(f"timeout after {timeout:g} s; killing ranks {running}.")
       return TIMEOUT_EXIT_CODE
     time.sleep(0.05)
