@@ -7,7 +7,8 @@ Reads ``cost.json``, ``traffic.json``, ``collectives.json``,
 ``profile.json``, ``optimizer_state.json``, ``cluster.json``, ``gpu.json``,
 ``language_model.json`` and ``language_model_code.json`` (any may be
 missing; its section then says so) and writes ``REPORT.md`` plus ``*.png``
-next to them. Each section is a module of this package.
+next to them, with the hand-written reading in ``SUMMARY.md`` after the
+header. Each section is a module of this package.
 """
 
 from __future__ import annotations
@@ -103,9 +104,9 @@ def main():
     + table(["target", "goal", "measured", "verdict"], rep.targets)
     + "\n"
   )
-  extra = results / "NOTES.md"
-  notes = extra.read_text() if extra.exists() else ""
-  text = "\n".join([header(rep, sources), targets, notes, *rep.parts])
+  summary = results / "SUMMARY.md"  # hand-written; NOTES.md is the maintainers' and stays out
+  reading = summary.read_text() if summary.exists() else ""
+  text = "\n".join([header(rep, sources), reading, targets, *rep.parts])
   (results / "REPORT.md").write_text(text)
   _common.log(f"wrote {results / 'REPORT.md'}")
 

@@ -41,6 +41,8 @@ def _step_table(summary: dict, table) -> str:
   rows = []
   for workers, by_variant in summary.items():
     for variant in (v for v in ORDER if v in by_variant):
+      if variant in FLOORS and workers != TARGET_WORKERS:  # the floors are the target's
+        continue
       by = by_variant[variant]
       cells = [f"{by[r]['step_ms']:.0f}" if r in by else "" for r in rates]
       cross = by.get("crossover_bps")
@@ -147,12 +149,11 @@ def cluster_section(rep, cluster: dict[str, Any] | None, table) -> None:
               _repeats_table(targets, table), ""]
   steps = _target_steps(targets, rows_of)
   parts += _floor_text(steps)
-  for workers, rows in summary.items():
-    for rate in (r for r in _rates({workers: rows}) if r == TARGET_RATE):
-      if any(rate in by for by in rows.values()):
-        parts += [f"**Breakdown, n = {workers}, {rate}** (alpha and bandwidth fitted to "
-                  f"this run's psum and all_gather calibration: "
-                  f"{_link_text(rows, rate)})", "", _breakdown_table(rows, rate, table), ""]
+  if any(TARGET_RATE in by for by in rows_of.values()):  # other n: `cluster.json`
+    parts += [f"**Breakdown, n = {TARGET_WORKERS}, {TARGET_RATE}** (alpha and bandwidth "
+              f"fitted to this run's psum and all_gather calibration: "
+              f"{_link_text(rows_of, TARGET_RATE)})", "",
+              _breakdown_table(rows_of, TARGET_RATE, table), ""]
   if cluster.get("hierarchical"):
     parts += ["### Two devices per process", "",
               "`python -m benchmarks.cluster --parts hierarchical`: 4 processes of 2 CPU "

@@ -28,6 +28,27 @@ def _panels(runs: list[dict]) -> list[tuple[str, float]]:
   return seen
 
 
+def _worst(runs: list[dict], field: str) -> tuple[float, str]:
+  """The largest ``summary[field]`` among ``runs``, and which workload and density had it."""
+  run = max(runs, key=lambda r: r["summary"][field])
+  name = WORKLOAD_NAMES.get(run["workload"], run["workload"])
+  return run["summary"][field], f"{name}, d = {run['density']}"
+
+
+def _density_targets(rep: Report, after: list[dict]) -> None:
+  """The targets at the targets' worker count: the worst workload of each."""
+  trained = [r for r in after if r["workload"] != "heterogeneous"]
+  for runs, bound in ((trained, 0.03), ([r for r in after if r not in trained], 0.05)):
+    if runs:
+      worst, where = _worst(runs, "median_abs_sent_error")
+      rep.target(f"median error of sent/k: {where} (worst of {len(runs)})",
+                 f"<= {bound:.0%}", f"{100 * worst:.1f} %", worst <= bound)
+  if trained:
+    worst, where = _worst(trained, "mean_overflow_over_k")
+    rep.target(f"overflow / k: {where} (worst of {len(trained)})", "<= 1 %",
+               f"{100 * worst:.2f} %", worst <= 0.01)
+
+
 def density_sections(rep: Report, density: dict | None) -> None:
   rep.add("## 4. Density sent: indices transmitted / k")
   if not density or not all("label" in r for r in density["runs"]):
@@ -39,21 +60,26 @@ def density_sections(rep: Report, density: dict | None) -> None:
     (r.get("workers", density["workers"]) for r in runs if r["label"] == "after"),
     density["workers"],
   )
+  sent = sorted(r["summary"]["median_sent_over_k"] for r in runs if r["label"] == "before")
+  before = f"{sent[0]:.2f}-{sent[-1]:.2f}" if sent else "not measured"
   rep.add(
     f"`benchmarks/density_control.py`: n = {targets_workers} workers simulated with "
     f"`jax.vmap(axis_name=)`, {density['steps']} steps, default `exdyna(d)`. What the user "
     "gets: sent/k = indices transmitted over k = floor(d N) (1 is what was asked for); "
     "overflow = elements that passed the threshold but were not sent (they stay in "
     "the residual); imbalance = max / mean of the partitions' pass counts; bytes = what one "
-    "worker sends per step (`stats.bytes_sent`). All over steps 21..end. 'before' is the "
-    "library before the balanced partitioner (neighbour rule, `capacity_factor=1.5`, "
-    "controller steering what passed the threshold), run by the same script; "
+    "worker sends per step (`stats.bytes_sent`). All over steps 21..end. 'before' (in the "
+    "plots) is the library before the balanced partitioner (neighbour rule, "
+    "`capacity_factor=1.5`, controller steering what passed the threshold), run by the "
+    f"same script: its sent/k was {before}; "
     "'after-n4' and 'after-n16' are the current library on 4 and 16 workers (column n), "
     "a check beyond the 8 the targets are set for."
   )
   rows = []
   for r in runs:
     s = r["summary"]
+    if r["label"] == "before":  # in the plots; the numbers in `density_control.json`
+      continue
     metric = next(iter(r.get("metrics") or {}), None)
     shown = "" if metric is None else f"{metric.replace('_', ' ')} {r['metrics'][metric]:.4g}"
     rows.append(
@@ -73,14 +99,7 @@ def density_sections(rep: Report, density: dict | None) -> None:
         shown,
       ]
     )
-    if r["label"] == "after":
-      bound = 0.05 if r["workload"] == "heterogeneous" else 0.03
-      name = f"{r['workload']} d={r['density']}"
-      rep.target(f"{name}: median error of sent/k", f"<= {bound:.0%}",
-                 f"{100 * s['median_abs_sent_error']:.1f} %", s["median_abs_sent_error"] <= bound)
-      if r["workload"] != "heterogeneous":
-        rep.target(f"{name}: overflow / k", "<= 1 %", f"{100 * s['mean_overflow_over_k']:.2f} %",
-                   s["mean_overflow_over_k"] <= 0.01)
+  _density_targets(rep, [r for r in runs if r["label"] == "after"])
   rep.add(
     table(
       ["workload", "N", "d", "k", "n", "library", "sent/k", "median err", "p90 err",

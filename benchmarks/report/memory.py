@@ -23,7 +23,7 @@ def memory_section(rep: Report, traffic: dict | None) -> None:
     "aliased = output buffers that reuse the donated state; "
     "peak estimate = arguments + outputs - aliased + temporaries."
   )
-  for density in traffic["densities"]:
+  for density in traffic["densities"][:1]:  # the others: the plot and `traffic.json`
     rows = []
     dense = next((r for r in rows8 if r["method"] == "dense" and r["density"] == density), None)
     dense_peak = None
