@@ -1,6 +1,7 @@
 """Communication-efficient data-parallel training in JAX: ExDyna and peers."""
 
 from exdyna_jax._cltk import cltk
+from exdyna_jax._collectives import Sparsifier
 from exdyna_jax._dense import DenseState, dense
 from exdyna_jax._density_schedule import dgc_warmup
 from exdyna_jax._exdyna import ExDynaState, exdyna
@@ -30,6 +31,7 @@ __all__ = [
     "Network",
     "SparDLRounds",
     "SparDLState",
+    "Sparsifier",
     "SparsifierStats",
     "available_sparsifiers",
     "cltk",

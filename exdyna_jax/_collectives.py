@@ -12,7 +12,6 @@ collective sends per worker (the model `SparsifierStats.bytes_sent` uses).
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any
 
 import jax
@@ -23,25 +22,28 @@ import optax
 INDEX_BYTES = 4
 VALUE_BYTES = 4
 
-# The data-parallel axis of each sparsifier built here, by its init function:
-# what `hierarchical` checks before wrapping one.
-_AXIS_OF_INIT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class Sparsifier(optax.GradientTransformationExtraArgs):
+  """A method of this package: an optax transformation that exchanges over one mesh axis.
 
+  Every factory (`exdyna_jax.exdyna`, ``topk``, ..., ``dense``) returns one;
+  it is an ``optax.GradientTransformationExtraArgs`` in every other way.
+  `exdyna_jax.hierarchical` reads ``axis_name`` to check the level it wraps.
 
-def over_axis(
-    tx: optax.GradientTransformationExtraArgs, axis_name: str
-) -> optax.GradientTransformationExtraArgs:
-  """Records that ``tx`` exchanges over ``axis_name`` (see `axis_of`); returns ``tx``."""
-  _AXIS_OF_INIT[tx.init] = axis_name
-  return tx
+  Attributes:
+    axis_name: the mapped axis its collectives run over.
 
+  Example:
+    >>> import exdyna_jax
+    >>> exdyna_jax.topk(0.01, axis_name="node").axis_name
+    'node'
+  """
 
-def axis_of(tx: optax.GradientTransformation) -> str | None:
-  """The axis a sparsifier of this package exchanges over, or None for any other transform."""
-  try:
-    return _AXIS_OF_INIT.get(tx.init)
-  except TypeError:  # an init that cannot be weakly referenced: not ours
-    return None
+  axis_name: str | None = None  # a copy made with ``_replace`` names no axis
+
+  def __new__(cls, init: Any, update: Any, axis_name: str | None = None) -> Sparsifier:
+    tx = super().__new__(cls, init, update)
+    tx.axis_name = axis_name
+    return tx
 
 
 class UnboundAxisError(ValueError):

@@ -6,7 +6,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from exdyna_jax import _collectives, _feedback, _guard, _layout, _stats
 
@@ -28,7 +27,7 @@ class DenseState(NamedTuple):
   stats: _stats.SparsifierStats
 
 
-def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
+def dense(*, axis_name: str = "data") -> _collectives.Sparsifier:
   """The plain mean all-reduce, with the sparsifiers' interface and stats.
 
   ``update`` returns ``psum(grads) / n`` (computed in float32, returned in
@@ -95,6 +94,4 @@ def dense(*, axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
     )
     return mean, DenseState(stats)
 
-  return _collectives.over_axis(
-      optax.GradientTransformationExtraArgs(init_fn, update_fn), axis_name
-  )
+  return _collectives.Sparsifier(init_fn, update_fn, axis_name)

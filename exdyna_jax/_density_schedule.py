@@ -74,11 +74,6 @@ def density_levels(density: float | Mapping[int, float]) -> tuple[Level, ...]:
   return tuple(levels)
 
 
-def density_at(levels: tuple[Level, ...], completed_steps: int) -> float:
-  """The density of the step that follows ``completed_steps`` steps (on the host)."""
-  return next(level.density for level in reversed(levels) if level.first_step <= completed_steps)
-
-
 def initial_density(levels: tuple[Level, ...]) -> float:
   """The density of the first level below 1 (what a state starts for), or 1.0."""
   return next((level.density for level in levels if level.density < 1.0), 1.0)

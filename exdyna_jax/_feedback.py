@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from exdyna_jax import (
     _collectives,
@@ -70,7 +69,7 @@ def error_feedback_transform(
     axis_name: str,
     init_state: Callable[[jax.Array, int, int], Any],
     step: Callable[[jax.Array, Any, int], tuple[_exchange.SparseUpdate, Any]],
-) -> optax.GradientTransformationExtraArgs:
+) -> _collectives.Sparsifier:
   """Builds an optax transform around one sparsification step.
 
   The method's state is any ``NamedTuple`` with a ``residual`` and a
@@ -94,15 +93,12 @@ def error_feedback_transform(
     The optax transformation.
   """
 
-  # The trees init() was given, by element count: with update(params=None) the
-  # gradient's tree is checked against them (the state itself holds only N).
-  init_trees: dict[int, set] = {}
-
   def init_fn(params: Any) -> Any:
     layout = _layout.layout_of(params, what="params")
-    init_trees.setdefault(layout.num_elements, set()).add((layout.treedef, layout.shapes))
     num_workers = _collectives.axis_size(axis_name)
     residual = jnp.zeros((layout.num_elements,), _layout.ACCUMULATION_DTYPE)
+    # Only N enters the state: the first update's gradient lays the residual out
+    # (`SparsifierStats.layout`), and every later one must match it.
     return init_state(
         _collectives.per_worker(residual, axis_name), layout.num_elements, num_workers
     )
@@ -110,14 +106,6 @@ def error_feedback_transform(
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     layout, num_workers = check_update(updates, state, params, axis_name)
-    known = init_trees.get(layout.num_elements)
-    if params is None and known and (layout.treedef, layout.shapes) not in known:
-      raise ValueError(
-          f"The gradient tree {layout.treedef} with leaf shapes {layout.shapes} is not the "
-          "tree init() was given, though it has as many elements: the residual is laid out "
-          "by the init tree. Call init() with the same tree you pass to update(), or pass "
-          "params= to update() to have both compared."
-      )
     # The step is traced in 32-bit mode whatever jax_enable_x64 says: its
     # counts, indices and loop carries are int32 and its state the one init()
     # made. Only the update is cast back to the leaves' dtypes (float64 too).
@@ -156,9 +144,7 @@ def error_feedback_transform(
     residual = sparse.clear(accumulated)[0]
     return update, rest._replace(residual=residual, stats=stats)
 
-  return _collectives.over_axis(
-      optax.GradientTransformationExtraArgs(init_fn, update_fn), axis_name
-  )
+  return _collectives.Sparsifier(init_fn, update_fn, axis_name)
 
 
 def keep_what_rounding_loses(
@@ -220,10 +206,8 @@ def accumulate(updates: Any, residual: jax.Array, nonfinite: jax.Array) -> jax.A
   slowly: each element walks the list of leaves, and split over threads the
   pass is slower still. There each leaf is added into its own slice of the
   residual instead (`_leaf_by_leaf_sum`), at the rate of one pass over a
-  single leaf of ``N`` (4 devices on 2 cores: the cluster benchmark's 6-leaf
-  MLP 3.9 ms against 11.7 fused, a 122-leaf transformer of 54M 44 ms
-  against 237; `benchmarks/xla_cpu_concat.py`). On a GPU that would cost a
-  kernel per leaf (the transformer: 0.75 ms against 0.48 on an H100).
+  single leaf of ``N`` (`benchmarks/xla_cpu_concat.py` times both). On a GPU
+  that would cost a kernel per leaf.
 
   Args:
     updates: this worker's gradient tree ``g``.
@@ -313,7 +297,7 @@ def fixed_budget_transform(
     axis_name: str,
     sparsify: BudgetSparsifyFn,
     initial_threshold: Callable[[int], float] = lambda k: 0.0,
-) -> optax.GradientTransformationExtraArgs:
+) -> _collectives.Sparsifier:
   """An `error_feedback_transform` that picks ``k = floor(density * N)`` per step.
 
   For methods whose state is the residual and the stats (Top-k, CLT-k, hard

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -163,11 +164,25 @@ def raise_if_state_does_not_fit(recorded_workers: np.ndarray, recorded_layout: n
     raise ValueError(
         "The optimizer state's residual was laid out for another parameter tree: leaves "
         "were renamed, reordered, added or removed since it was made (a checkpoint "
-        "restored for a changed model), and stepping it would add each leaf's residual to "
-        f"another leaf. This step's leaves, in the flat order a state follows: {leaves}. "
-        "Restore the state with the model it was saved with, or start a fresh one with "
-        "tx.init(params)."
+        "restored for a changed model, or another tree passed to update()), and stepping "
+        "it would add each leaf's residual to another leaf. This step's leaves, in the "
+        f"flat order a state follows: {leaves}. Restore the state with the model it was "
+        "saved with, or start a fresh one with tx.init(params)."
     )
+
+
+def traced_once(fn: Callable[[], Any]) -> tuple[Callable[[], Any], Any]:
+  """``fn`` traced now, as a function that replays its program, and its output's shapes.
+
+  The switch below needs the step's output shapes for the branches that
+  skip it; tracing the step for them and again inside the switch would run
+  the method's Python twice. Replaying the recorded program costs no
+  Python of the method's own.
+  """
+  program, shapes = jax.make_jaxpr(fn, return_shape=True)()
+  replay = lambda: jax.tree.unflatten(  # noqa: E731
+      jax.tree.structure(shapes), jax.extend.core.jaxpr_as_fun(program)())
+  return replay, shapes
 
 
 def skip_if_nonfinite(
@@ -217,7 +232,7 @@ def skip_if_nonfinite(
   if skipped is None:
     skipped = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype))
 
-  output_shapes, _ = jax.eval_shape(step)  # traced once for both branches that skip
+  step, (output_shapes, _) = traced_once(step)
 
   def skip_step():
     silent = previous_stats._replace(bytes_sent=jnp.zeros_like(previous_stats.bytes_sent))

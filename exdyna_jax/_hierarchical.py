@@ -196,7 +196,7 @@ def hierarchical(
     raise ValueError(
         f"fast_reduce must be one of {FAST_REDUCE_MODES}, got {fast_reduce!r}."
     )
-  slow_axis = _collectives.axis_of(sparsifier)
+  slow_axis = sparsifier.axis_name if isinstance(sparsifier, _collectives.Sparsifier) else None
   if slow_axis is None:
     raise TypeError(
         "hierarchical wraps one of this package's sparsifiers itself (exdyna_jax.exdyna, "

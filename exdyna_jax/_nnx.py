@@ -42,8 +42,9 @@ def nnx_optimizer(dp: _sharding.DataParallel, model: nnx.Module, *, wrt: Any = n
   """An ``nnx.Optimizer`` for ``dp.tx`` whose state holds one slice per worker.
 
   ``nnx.Optimizer(model, tx, wrt=...)`` cannot hold a sparsifier (its
-  ``init`` runs per worker); this builds the same object with `dp.init`, so
-  each state leaf has a leading worker axis. Step it with `nnx_step`.
+  ``init`` runs per worker); this builds one whose transformation starts
+  its state with `dp.init` and steps it with ``dp.tx.update``, so each
+  state leaf has a leading worker axis. Step it with `nnx_step`.
 
   Args:
     dp: what `data_parallel` returned.
@@ -64,11 +65,9 @@ def nnx_optimizer(dp: _sharding.DataParallel, model: nnx.Module, *, wrt: Any = n
     >>> optax.tree.get(nnx.as_pure(optimizer.opt_state), "residual").shape  # one per worker
     (8, 4160)
   """
-  optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)
-  optimizer.tx = dp.tx
-  opt_state = dp.init(nnx.as_pure(nnx.state(model, wrt)))  # it places the params itself
-  optimizer.opt_state = nnx.data(jax.tree.map(nnx.OptArray, opt_state))
-  return optimizer
+  per_worker = optax.GradientTransformationExtraArgs(  # dp.init places the params itself
+      lambda params: dp.init(nnx.as_pure(params)), dp.tx.update)
+  return nnx.Optimizer(model, per_worker, wrt=wrt)
 
 
 def check_reduce(reduce: Mapping[type, str]) -> None:
@@ -88,7 +87,7 @@ def check_reduce(reduce: Mapping[type, str]) -> None:
 def check_optimizers(objects: tuple, dp: _sharding.DataParallel) -> None:
   """Refuses an ``nnx.Optimizer`` not built by `nnx_optimizer` for ``dp``."""
   for path, node in nnx.iter_graph(objects):
-    if isinstance(node, nnx.Optimizer) and node.tx is not dp.tx:
+    if isinstance(node, nnx.Optimizer) and node.tx.update is not dp.tx.update:
       raise TypeError(
           f"The nnx.Optimizer at {'.'.join(map(str, path))} does not step dp.tx: each "
           "worker would train on its own gradient. Build it with "

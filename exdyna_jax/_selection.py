@@ -64,8 +64,7 @@ def chunk_length(num_elements: int, num_workers: int) -> int:
   A quarter of a fair share (whole rows), at least `MIN_CHUNK` and at most
   ``N``: a partition of fair size is read in four iterations. A GPU reads
   each iteration's loop condition back to the host and launches the next
-  one's kernels after it (20-35 microseconds an iteration on an H200,
-  shared by 8 workers under ``vmap``, paid by each on 8 GPUs); a longer
+  one's kernels after it (tens of microseconds an iteration); a longer
   chunk reads more beyond the partition's end (at most one chunk).
   """
   quarter = -(-num_elements // (4 * num_workers))
@@ -97,10 +96,9 @@ def over_chunks(count: jax.Array, body: Callable, carry: Any, *, unrolled: int =
   """``lax.fori_loop(0, count, body, carry)``; on GPUs its first ``unrolled`` iterations unrolled.
 
   A GPU runs a ``while`` loop from the host: it reads the loop condition back
-  after every iteration, then launches the body's kernels again. On an H200
-  (8 workers under ``vmap``, N = 25M) unrolling the first 4 iterations of
-  both loops took a step from 14 such reads to 6 and from 261 kernels to 200:
-  0.404-0.410 ms a worker against 0.433-0.443. Unrolled iterations run even
+  after every iteration, then launches the body's kernels again; unrolling
+  the first iterations saves those reads (`benchmarks/gpu.py`, the REPORT's
+  GPU section). Unrolled iterations run even
   where ``count`` is smaller, so ``body`` must add nothing at an index at or
   past ``count`` (`chunk_window`'s ``new`` is then empty), and ``unrolled``
   should be at most what the slowest worker runs anyway (`unrolled_chunks`).

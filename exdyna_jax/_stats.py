@@ -87,10 +87,12 @@ class SparsifierStats(NamedTuple):
       its sent/k, a density warm-up's levels included.
     layout: int32 fingerprint of the gradient tree's leaves (paths and
       shapes, in the flat order the residual follows), set by every step of
-      a method with a residual; 0 before the first, and for ``dense()``. A
+      a method with a residual; 0 before the first (``init()`` sees only
+      ``N``: the first step lays the residual out), and for ``dense()``. A
       step on a tree laid out otherwise (leaves renamed, reordered, added or
-      removed since a checkpoint) stops with an error that lists the
-      leaves, instead of adding each residual to another leaf.
+      removed since a checkpoint, or another tree passed to ``update()``)
+      stops with an error that lists the leaves, instead of adding each
+      residual to another leaf.
 
   Example:
     The stats of a freshly initialized ExDyna state, on 8 workers simulated

@@ -109,3 +109,19 @@ def test_a_registered_method_runs_across_nodes():
   updates = np.asarray(nodes(grads))
   want, _ = model(grads.mean(1)[:, None].astype(np.float64), [0.01])
   np.testing.assert_allclose(updates[1, 0], want[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.usefixtures("registered")
+def test_an_update_runs_the_methods_python_once(monkeypatch):
+  """The guard's switch needs the step's output shapes: it records the step once
+  and replays the program, so the method's own Python runs once per trace."""
+  calls = []
+  real_aggregate = _exchange.aggregate_at
+  monkeypatch.setattr(_exchange, "aggregate_at",
+                      lambda *args: calls.append(1) or real_aggregate(*args))
+  tx = exdyna_jax.get_sparsifier("round_robin", density=0.01)
+  params = jnp.zeros(N)
+  grads = np.ones((NUM_WORKERS, N), np.float32)
+  state = jax.vmap(tx.init, in_axes=None, axis_name="data", axis_size=NUM_WORKERS)(params)
+  jax.jit(jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="data")).trace(grads, state)
+  assert len(calls) == 1

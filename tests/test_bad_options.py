@@ -79,19 +79,26 @@ def test_non_numbers_are_refused_as_such(value):
 
 @pytest.mark.parametrize("name", ["exdyna", "topk", "spardl"])
 def test_without_params_a_regrouped_tree_of_the_same_size_is_refused(name):
-  """update(params=None) still checks the tree against the one init() was given."""
+  """init() sees only N; the first update lays the residual out by its gradient
+  tree, and an update(params=None) on a tree of the same size laid out
+  otherwise stops, naming its leaves, instead of adding residuals to other leaves."""
   tx = exdyna_jax.get_sparsifier(name, density=0.01)
   built_for = {"a": jnp.zeros((2048,)), "b": jnp.zeros((2048,))}
-  state = init_per_worker(tx, built_for)
 
   @jax.jit
-  def update(grads):
+  def update(grads, state):
     return jax.vmap(lambda g, s: tx.update(g, s), axis_name=AXIS, axis_size=2)(grads, state)
 
-  for other in ({"z": jnp.ones((2, 4096))}, {"a": jnp.ones((2, 64, 32)), "b": jnp.ones((2, 2048))}):
-    with pytest.raises(ValueError, match=r"not the tree init\(\) was given"):
-      update(other)
-  update(jax.tree.map(lambda p: jnp.ones((2, *p.shape)), built_for))  # the init tree is fine
+  _, state = update(jax.tree.map(lambda p: jnp.ones((2, *p.shape)), built_for),
+                    init_per_worker(tx, built_for))
+  for other, leaves in (({"z": jnp.ones((2, 4096))}, r"\['z'\] \(4096,\)"),
+                        ({"a": jnp.ones((2, 64, 32)), "b": jnp.ones((2, 2048))},
+                         r"\['a'\] \(64, 32\), \['b'\] \(2048,\)")):
+    with pytest.raises((ValueError, jax.errors.JaxRuntimeError),
+                       match=rf"laid out for another parameter tree.*{leaves}"):
+      jax.block_until_ready(update(other, state))
+  updates, _ = update(jax.tree.map(lambda p: jnp.ones((2, *p.shape)), built_for), state)
+  assert np.isfinite(updates["a"]).all()  # the tree it was laid out for steps on
 
 
 @pytest.mark.parametrize("name", METHODS_WITH_DENSITY)

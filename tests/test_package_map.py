@@ -28,14 +28,11 @@ def package_imports(path: pathlib.Path) -> set[str]:
   return found
 
 
-def layers() -> dict[str, int]:
-  """Module -> layer, from the numbered list under 'Which way imports run'."""
+def import_order() -> dict[str, int]:
+  """Module -> its place in the list under 'Which way imports run'."""
   section = MAP.split("## Which way imports run", 1)[1].split("\n## ", 1)[0]
-  out = {}
-  for number, text in re.findall(r"^(\d)\. (.*(?:\n   .*)*)", section, flags=re.M):
-    for name in re.findall(r"`(_?\w+)`", text):
-      out.setdefault(name, int(number))
-  return out
+  names = re.findall(r"`(_?\w+)`", section)
+  return {name: place for place, name in enumerate(dict.fromkeys(names))}
 
 
 def test_every_module_is_on_the_map_and_every_mapped_module_exists():
@@ -45,16 +42,13 @@ def test_every_module_is_on_the_map_and_every_mapped_module_exists():
   assert named - modules == set(), "docs/package_map.md names modules that do not exist"
 
 
-def test_imports_run_from_lower_layers_only():
-  rank = layers()
-  assert {"_layout", "_feedback", "_exdyna", "_registry"} <= rank.keys()
-  for name, layer in rank.items():
-    path = PACKAGE / f"{name}.py"
-    for imported in package_imports(path):
-      if imported not in rank:
-        continue
-      allowed = rank[imported] < layer or (layer == rank[imported] == 5)  # micro on exdyna
-      assert allowed, f"{name} (layer {layer}) imports {imported} (layer {rank[imported]})"
+def test_every_module_imports_only_modules_listed_before_it():
+  place = import_order()
+  top_level = {p.stem for p in PACKAGE.glob("*.py")}
+  assert top_level - place.keys() == set(), "modules missing from the import order"
+  for name in top_level - {"__init__"}:
+    for imported in package_imports(PACKAGE / f"{name}.py") - {"demo"}:
+      assert place[imported] < place[name], f"{name} imports {imported}, listed after it"
 
 
 def test_no_module_is_longer_than_a_few_screens():
