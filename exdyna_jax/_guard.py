@@ -171,20 +171,6 @@ def raise_if_state_does_not_fit(recorded_workers: np.ndarray, recorded_layout: n
     )
 
 
-def traced_once(fn: Callable[[], Any]) -> tuple[Callable[[], Any], Any]:
-  """``fn`` traced now, as a function that replays its program, and its output's shapes.
-
-  The switch below needs the step's output shapes for the branches that
-  skip it; tracing the step for them and again inside the switch would run
-  the method's Python twice. Replaying the recorded program costs no
-  Python of the method's own.
-  """
-  program, shapes = jax.make_jaxpr(fn, return_shape=True)()
-  replay = lambda: jax.tree.unflatten(  # noqa: E731
-      jax.tree.structure(shapes), jax.extend.core.jaxpr_as_fun(program)())
-  return replay, shapes
-
-
 def skip_if_nonfinite(
     screened: Screen,
     step: Callable[[], tuple[Any, _stats.SparsifierStats]],
@@ -232,7 +218,12 @@ def skip_if_nonfinite(
   if skipped is None:
     skipped = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype))
 
-  step, (output_shapes, _) = traced_once(step)
+  # The skipping branches need the step's output shapes: record the step once and
+  # replay its program in the switch, rather than run the method's Python twice.
+  program, shapes = jax.make_jaxpr(step, return_shape=True)()
+  output_shapes = shapes[0]
+  step = lambda: jax.tree.unflatten(  # noqa: E731
+      jax.tree.structure(shapes), jax.extend.core.jaxpr_as_fun(program)())
 
   def skip_step():
     silent = previous_stats._replace(bytes_sent=jnp.zeros_like(previous_stats.bytes_sent))
