@@ -22,6 +22,7 @@ import optax
 INDEX_BYTES = 4
 VALUE_BYTES = 4
 
+
 class Sparsifier(optax.GradientTransformationExtraArgs):
   """A method of this package: an optax transformation that exchanges over one mesh axis.
 

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from exdyna_jax import _collectives, _exchange, _options, _stats
+from exdyna_jax import _collectives, _exchange, _guard, _options, _stats
 
 # (accumulated [N], state, n) -> (aggregated update, new state): one level's step.
 StepFn = Callable[[jax.Array, Any, int], tuple[_exchange.SparseUpdate, Any]]
@@ -151,12 +151,14 @@ def scheduled_step(
 
   def step(accumulated, state, num_workers):
     num_elements = accumulated.shape[0]
-    shapes = [
-        jax.eval_shape(lambda a, st, s=s: s(a, st, num_workers)[0], accumulated, state)
+    recorded = [  # each level's step traced once, replayed in its branch (`_guard.replay`)
+        None if s is None else jax.make_jaxpr(
+            lambda s=s: s(accumulated, state, num_workers), return_shape=True)()
         for s in steps
-        if s
-    ] or [_exchange.SparseUpdate(jax.ShapeDtypeStruct((1,), jnp.int32),  # density 1.0 only
-                                 jax.ShapeDtypeStruct((1,), accumulated.dtype))]
+    ]
+    shapes = [record[1][0] for record in recorded if record] or [
+        _exchange.SparseUpdate(jax.ShapeDtypeStruct((1,), jnp.int32),  # density 1.0 only
+                               jax.ShapeDtypeStruct((1,), accumulated.dtype))]
     slots = max(shape.indices.shape[0] for shape in shapes)
 
     def padded(sparse):
@@ -174,9 +176,9 @@ def scheduled_step(
         )
       return sparse
 
-    def sparse_branch(level_step):
+    def sparse_branch(record):
       def run():
-        sparse, new_state = level_step(accumulated, state, num_workers)
+        sparse, new_state = _guard.replay(*record)()
         return padded(sparse), new_state._replace(residual=None)
 
       return run
@@ -199,7 +201,7 @@ def scheduled_step(
       nothing = padded(nothing)._replace(base=mean, sent_all=jnp.bool_(True), live=jnp.int32(0))
       return nothing, state._replace(residual=None, stats=stats)
 
-    branches = [dense_branch if s is None else sparse_branch(s) for s in steps]
+    branches = [sparse_branch(record) if record else dense_branch for record in recorded]
     level = jnp.sum(state.stats.step >= jnp.asarray(first_steps, jnp.int32)) - 1
     sparse, new_state = jax.lax.switch(level, branches)
     return sparse, new_state._replace(residual=state.residual)

@@ -110,8 +110,8 @@ def exdyna(
       ``spill=None``) is priced on it instead of the 25 Gb/s, 5 us link,
       and the values are all-gathered and summed on each worker where
       that beats their all-reduce on it (dear messages, few values); the
-      same update up to the order of the
-      sum's additions. Where one all-gather fewer saves more there than
+      same update up to the order of the sum's additions. Where one
+      all-gather fewer saves more there than
       the ``C`` magnitudes it adds, each worker also selects before the
       threshold is set, and its probe counts ride its index buffer (one
       round fewer, the same selection; :doc:`/multihost`). None

@@ -171,6 +171,18 @@ def raise_if_state_does_not_fit(recorded_workers: np.ndarray, recorded_layout: n
     )
 
 
+def replay(program: Any, shapes: Any) -> Callable[[], Any]:
+  """``fn``'s output again, from ``jax.make_jaxpr(fn, return_shape=True)()``'s pair.
+
+  A branch of a ``lax.switch`` whose output shapes another branch needs
+  first: recording ``fn`` once and replaying its program runs none of the
+  method's Python a second time (an ``eval_shape`` and the branch would
+  trace it twice).
+  """
+  return lambda: jax.tree.unflatten(
+      jax.tree.structure(shapes), jax.extend.core.jaxpr_as_fun(program)())
+
+
 def skip_if_nonfinite(
     screened: Screen,
     step: Callable[[], tuple[Any, _stats.SparsifierStats]],
@@ -221,9 +233,7 @@ def skip_if_nonfinite(
   # The skipping branches need the step's output shapes: record the step once and
   # replay its program in the switch, rather than run the method's Python twice.
   program, shapes = jax.make_jaxpr(step, return_shape=True)()
-  output_shapes = shapes[0]
-  step = lambda: jax.tree.unflatten(  # noqa: E731
-      jax.tree.structure(shapes), jax.extend.core.jaxpr_as_fun(program)())
+  step, output_shapes = replay(program, shapes), shapes[0]
 
   def skip_step():
     silent = previous_stats._replace(bytes_sent=jnp.zeros_like(previous_stats.bytes_sent))

@@ -98,8 +98,8 @@ def over_chunks(count: jax.Array, body: Callable, carry: Any, *, unrolled: int =
   A GPU runs a ``while`` loop from the host: it reads the loop condition back
   after every iteration, then launches the body's kernels again; unrolling
   the first iterations saves those reads (`benchmarks/gpu.py`, the REPORT's
-  GPU section). Unrolled iterations run even
-  where ``count`` is smaller, so ``body`` must add nothing at an index at or
+  GPU section). Unrolled iterations run even where ``count`` is smaller, so
+  ``body`` must add nothing at an index at or
   past ``count`` (`chunk_window`'s ``new`` is then empty), and ``unrolled``
   should be at most what the slowest worker runs anyway (`unrolled_chunks`).
   A CPU runs a loop at no cost per iteration, so there the loop stays whole:

@@ -112,16 +112,18 @@ def test_a_registered_method_runs_across_nodes():
 
 
 @pytest.mark.usefixtures("registered")
-def test_an_update_runs_the_methods_python_once(monkeypatch):
-  """The guard's switch needs the step's output shapes: it records the step once
-  and replays the program, so the method's own Python runs once per trace."""
+@pytest.mark.parametrize("density, levels", [(0.01, 1), ({0: 0.01, 3: 0.02}, 2)])
+def test_an_update_runs_the_methods_python_once_a_level(monkeypatch, density, levels):
+  """The guard's switch and a schedule's need each step's output shapes first:
+  each is recorded once and its program replayed, so the method's own Python
+  runs once a density level per trace."""
   calls = []
   real_aggregate = _exchange.aggregate_at
   monkeypatch.setattr(_exchange, "aggregate_at",
                       lambda *args: calls.append(1) or real_aggregate(*args))
-  tx = exdyna_jax.get_sparsifier("round_robin", density=0.01)
+  tx = exdyna_jax.get_sparsifier("round_robin", density=density)
   params = jnp.zeros(N)
   grads = np.ones((NUM_WORKERS, N), np.float32)
   state = jax.vmap(tx.init, in_axes=None, axis_name="data", axis_size=NUM_WORKERS)(params)
   jax.jit(jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="data")).trace(grads, state)
-  assert len(calls) == 1
+  assert len(calls) == levels
