@@ -45,30 +45,20 @@ def main():
   )
   params = {"w": jnp.zeros((FEATURES, OUTPUTS)), "b": jnp.zeros((OUTPUTS,))}
 
+  dp = exdyna_jax.data_parallel(tx, mesh, axis_name=("node", "local"))  # a worker per device
+
   def loss_fn(p, x, y):
     return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
 
-  add = lambda tree: jax.tree.map(lambda v: v[None], tree)  # noqa: E731
-  drop = lambda tree: jax.tree.map(lambda v: v[0], tree)  # noqa: E731
+  @dp.step
+  def train_step(p, state, batch):  # per device: its own batch shard and state
+    loss, grads = jax.value_and_grad(loss_fn)(p, *batch)
+    updates, state = tx.update(grads, state, p)
+    return optax.apply_updates(p, updates), state, jax.lax.pmean(loss, ("node", "local"))
 
-  def step(p, state, x, y):
-    loss, grads = jax.value_and_grad(loss_fn)(p, x, y)  # this device's own gradient
-    updates, state = tx.update(grads, drop(state), p)
-    loss = jax.lax.pmean(loss, ("node", "local"))
-    return optax.apply_updates(p, updates), add(state), loss
-
-  init = jax.jit(
-      jax.shard_map(lambda p: add(tx.init(p)), mesh=mesh, in_specs=P(), out_specs=workers)
-  )
-  train_step = jax.jit(
-      jax.shard_map(
-          step,
-          mesh=mesh,
-          in_specs=(P(), workers, workers, workers),
-          out_specs=(P(), workers, P()),
-          check_vma=False,  # keep each device's gradient local (no hidden psum)
-      )
-  )
+  # Per-device values (the loss, the state) are not fully addressable: read
+  # this process's first shard.
+  first = lambda x: float(x.addressable_shards[0].data[0])  # noqa: E731
 
   rng = np.random.default_rng(0)  # same stream on every process
   true_w = rng.normal(size=(FEATURES, OUTPUTS)).astype(np.float32)
@@ -78,20 +68,19 @@ def main():
   def global_batch(value):
     return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
 
-  state = init(params)
+  state = dp.init(params)
   for t in range(STEPS):
     x = rng.normal(size=(batch, FEATURES)).astype(np.float32)
     y = x @ true_w
-    params, state, loss = train_step(params, state, global_batch(x), global_batch(y))
+    params, state, loss = train_step(params, state, (global_batch(x), global_batch(y)))
     # Block every step: on CPU (gloo) with several devices per process, the
     # processes deadlock once the host runs ~32 steps ahead (docs/multihost.md).
     jax.block_until_ready(loss)
     if jax.process_index() == 0 and t % 10 == 0:
-      # Per-device state is not fully addressable: read this process's shard.
-      threshold = exdyna_jax.get_stats(state).threshold.addressable_shards[0].data[0]
-      print(f"step {t:3d}  loss {float(loss):9.4f}  threshold {float(threshold):.4f}")
+      threshold = first(exdyna_jax.get_stats(state).threshold)
+      print(f"step {t:3d}  loss {first(loss):9.4f}  threshold {threshold:.4f}")
   if jax.process_index() == 0:
-    print(f"final loss {float(loss):.4f}")
+    print(f"final loss {first(loss):.4f}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ per-worker gradients stacked along that axis instead.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax import P
 
-from exdyna_jax import _dp_checks, _layout, _local_steps, _stats
+from exdyna_jax import _collectives, _dp_checks, _layout, _local_steps, _stats
 
 
 def add_worker_axis(tree):
@@ -102,25 +103,33 @@ class DataParallel(NamedTuple):
   stats: Callable[[Any], Any]
   tx: optax.GradientTransformation
   mesh: jax.sharding.Mesh
-  axis_name: str
+  axis_name: str | tuple[str, ...]
 
 
 def data_parallel(
-    tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, *, axis_name: str = "data"
+    tx: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    *,
+    axis_name: str | tuple[str, ...] = "data",
 ) -> DataParallel:
   """Wires an optimizer whose first stage is a sparsifier for data-parallel training.
 
   Args:
     tx: the optimizer, e.g. ``optax.chain(exdyna_jax.exdyna(...), ...)``.
     mesh: a mesh with an axis called ``axis_name`` (other axes replicate).
-    axis_name: the data-parallel mesh axis.
+    axis_name: the data-parallel mesh axis, or a tuple of them: the workers
+      are their devices (``("node", "local")`` for a `hierarchical`
+      sparsifier, whose state differs per device on both axes).
 
   Returns:
     A `DataParallel` of ``init``, ``step``, ``update``, ``value_and_grad``
     and ``stats``.
 
   Raises:
-    ValueError: if ``mesh`` has no axis ``axis_name``.
+    ValueError: if ``mesh`` has no axis ``axis_name``; from ``init``, if the
+      optimizer communicates over a mesh axis of more than one device that
+      ``axis_name`` leaves out (a `hierarchical` sparsifier's fast axis):
+      the batch and the state would be replicated over it.
 
   Warns:
     UserWarning: for an axis of one device (nothing to exchange; the usual
@@ -177,12 +186,8 @@ def data_parallel(
     >>> losses[-1] < losses[0], int(exdyna_jax.get_stats(opt_state).step[0])
     (True, 5)
   """
-  if axis_name not in mesh.axis_names:
-    raise ValueError(
-        f"The mesh has axes {mesh.axis_names}, not {axis_name!r}; pass "
-        "axis_name= naming its data-parallel axis."
-    )
-  if mesh.shape[axis_name] == 1:
+  workers = num_workers(mesh, axis_name)
+  if workers == 1:
     warnings.warn(
         f"data_parallel over one worker: the mesh's {axis_name!r} axis has 1 device "
         f"(jax.devices(): {len(jax.devices())}), so nothing is exchanged and the sparsifier "
@@ -196,6 +201,7 @@ def data_parallel(
   shard = functools.partial(per_worker_map, mesh)
 
   def init(params):
+    refuse_axes_it_does_not_split(tx, params, mesh, axis_name)
     with _layout.recording_params() as seen:
       opt_state = shard(lambda p: add_worker_axis(tx.init(p)), P(), per_worker)(
           jax.device_put(params, replicated))
@@ -211,22 +217,25 @@ def data_parallel(
           "dp.update cannot step local_steps: its gradients are taken at each worker's own "
           "parameters, which dp.value_and_grad does not see. Decorate a per-worker step "
           "with dp.step instead.")
-    _dp_checks.check_worker_grads(worker_grads, params, mesh.shape[axis_name])
-    _dp_checks.check_worker_axis(opt_state, mesh.shape[axis_name])
+    _dp_checks.check_worker_grads(worker_grads, params, workers)
+    _dp_checks.check_worker_axis(opt_state, workers)
+    return sharded_update(worker_grads, opt_state, params, extra_args)
 
-    def body(grads, state, params):
+  @jax.jit  # one program, not shard_map's op-by-op dispatch, where called eagerly
+  def sharded_update(worker_grads, opt_state, params, extra_args):
+    def body(grads, state, params, extra_args):
       updates, state = tx.update(
           drop_worker_axis(grads), drop_worker_axis(state), params, **extra_args
       )
       return updates, add_worker_axis(state)
 
-    return shard(body, (per_worker, per_worker, P()), (P(), per_worker))(
-        worker_grads, opt_state, params
+    return shard(body, (per_worker, per_worker, P(), P()), (P(), per_worker))(
+        worker_grads, opt_state, params, extra_args
     )
 
   def value_and_grad(loss_fn):
     def grad_fn(params, batch, *args):
-      _dp_checks.check_batch(batch, mesh.shape[axis_name])
+      _dp_checks.check_batch(batch, workers)
 
       def body(params, batch, *args):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch, *args)
@@ -245,6 +254,53 @@ def data_parallel(
   return DataParallel(init, step, update, value_and_grad, stats, tx, mesh, axis_name)
 
 
+def num_workers(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...]) -> int:
+  """Devices along the data-parallel axis or axes of ``mesh``: the workers.
+
+  Raises:
+    ValueError: for an axis the mesh does not have.
+  """
+  axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  if not axes or any(axis not in mesh.axis_names for axis in axes):
+    raise ValueError(
+        f"The mesh has axes {mesh.axis_names}, not {axis_name!r}; pass "
+        "axis_name= naming its data-parallel axis (or a tuple of them)."
+    )
+  return math.prod(mesh.shape[axis] for axis in axes)
+
+
+def refuse_axes_it_does_not_split(tx: optax.GradientTransformation, params: Any,
+                                  mesh: jax.sharding.Mesh,
+                                  axis_name: str | tuple[str, ...]) -> None:
+  """Raises if ``tx`` needs a mesh axis bound that ``data_parallel`` replicates over.
+
+  A `hierarchical` sparsifier's fast axis, left out of ``axis_name``, would
+  still be bound inside ``shard_map``: its devices would repeat each other's
+  batch and hold different residuals labelled replicated. ``tx.init`` is
+  traced (abstractly) with only the data axes bound, where the mesh has
+  others.
+  """
+  axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  if all(mesh.shape[axis] == 1 for axis in mesh.axis_names if axis not in axes):
+    return
+  init = tx.init
+  for axis in reversed(axes):
+    init = jax.vmap(init, in_axes=None, axis_name=axis, axis_size=mesh.shape[axis])
+  try:
+    jax.eval_shape(init, params)
+  except _collectives.UnboundAxisError as error:
+    unbound = str(error).split(".")[0]
+    others = tuple(axis for axis in mesh.axis_names if axis not in axes)
+    raise ValueError(
+        f"data_parallel(axis_name={axis_name!r}) splits the batch and the optimizer state "
+        f"over {axis_name!r} only and replicates them over {others}, but the optimizer "
+        f"communicates over another axis ({unbound}): its devices would repeat each "
+        "other's batch and hold different states labelled replicated. Name every axis the "
+        f"workers span, e.g. data_parallel(tx, mesh, axis_name={axes + others!r}) for a "
+        "hierarchical(...) sparsifier."
+    ) from None
+
+
 def per_worker_map(mesh: jax.sharding.Mesh, fn: Callable, in_specs: Any, out_specs: Any
                    ) -> Callable:
   """``jax.shard_map`` of a per-worker function, gradients kept local.
@@ -256,7 +312,7 @@ def per_worker_map(mesh: jax.sharding.Mesh, fn: Callable, in_specs: Any, out_spe
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def step_decorator(mesh: jax.sharding.Mesh, axis_name: str,
+def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
                    per_worker_step: Callable[..., tuple], *, own_params: bool = True
                    ) -> Callable[..., tuple]:
   """`DataParallel.step`: the jitted, donating train step of ``per_worker_step``.
@@ -272,6 +328,7 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str,
   swap the parameters themselves.
   """
   per_worker, shard = P(axis_name), functools.partial(per_worker_map, mesh)
+  workers = num_workers(mesh, axis_name)
   replicated, split = jax.NamedSharding(mesh, P()), jax.NamedSharding(mesh, per_worker)
 
   def body(params, opt_state, batch, *args):
@@ -303,8 +360,8 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str,
           f"(params, opt_state, batch, *args), got keyword(s) {sorted(kwargs)}: pass them "
           "positionally, or close over constants in the step."
       )
-    _dp_checks.check_batch(batch, mesh.shape[axis_name])
-    _dp_checks.check_worker_axis(opt_state, mesh.shape[axis_name])
+    _dp_checks.check_batch(batch, workers)
+    _dp_checks.check_worker_axis(opt_state, workers)
     # Placed as the step takes them (no copy where they are already): an
     # Explicit mesh (jax.make_mesh's default) accepts nothing else.
     params, batch, args = jax.device_put((params, batch, args), (replicated, split, replicated))
