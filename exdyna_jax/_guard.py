@@ -252,7 +252,7 @@ def skip_if_nonfinite(
   output, stats = jax.lax.switch(branch, (step, skip_step, stop_misfit))
   flag_bytes, count_bytes = (_collectives.ring_all_reduce_bytes(num_workers, size)
                              for size in (2 * _collectives.INDEX_BYTES, _collectives.INDEX_BYTES))
-  bytes_sent = stats.bytes_sent + flag_bytes + skip * count_bytes
+  bytes_sent = _stats.add_bytes(stats.bytes_sent, flag_bytes + skip * count_bytes)
   done = branch == 0
   stats = stats._replace(
       step=previous_stats.step + done.astype(jnp.int32),  # the one place steps are counted

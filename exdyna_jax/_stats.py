@@ -277,6 +277,11 @@ def static_bytes(num_bytes: int) -> jax.Array:
   return jnp.int32(min(num_bytes, INT32_MAX))
 
 
+def add_bytes(num_bytes: jax.Array, more: jax.Array | int) -> jax.Array:
+  """``num_bytes + more`` (both nonnegative int32), saturating at ``2**31 - 1``."""
+  return jnp.where(num_bytes > INT32_MAX - more, INT32_MAX, num_bytes + more).astype(jnp.int32)
+
+
 def unpartitioned_stats(
     previous: SparsifierStats,
     *,

@@ -265,3 +265,20 @@ def test_simulated_workers_keep_the_guards_two_conditionals(name):
   for platform in ("cpu", "cuda"):
     equations = harness.all_equations(jaxpr, platform)
     assert [eqn.primitive.name for eqn in equations].count("cond") == 2
+
+
+def test_a_step_past_int32_bytes_reads_saturated_never_negative():
+  """A step whose own bytes saturate (``2**31 - 1``: a dense all-reduce of 307M
+  float32 parameters on 8 workers) stays saturated once the guard adds its
+  flags' ``psum`` (it wrapped round to a negative count)."""
+  previous = _stats.initial_stats(0.0, *_stats.whole_vector(2, 1))
+
+  def guarded(values):
+    def step():
+      return jnp.zeros(3), previous._replace(bytes_sent=_stats.static_bytes(2**33))
+
+    screened = _guard.screen(values, previous, 2, "data")
+    return _guard.skip_if_nonfinite(screened, step, previous, 2, "data")[1]
+
+  stats = jax.vmap(guarded, axis_name="data")({"w": np.ones((2, 4), np.float32)})
+  np.testing.assert_array_equal(stats.bytes_sent, [2**31 - 1] * 2)
