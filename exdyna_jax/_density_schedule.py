@@ -191,11 +191,8 @@ def scheduled_step(
           transmitted=count,
           target=count,
           overflow=jnp.zeros((), jnp.int32),
-          bytes_sent=_stats.static_bytes(
-              _collectives.ring_all_reduce_bytes(
-                  num_workers, num_elements * _collectives.VALUE_BYTES
-              )
-          ),
+          **_stats.bytes_fields(state.stats, _collectives.ring_all_reduce_bytes(
+              num_workers, num_elements * _collectives.VALUE_BYTES)),
       )
       nothing = _exchange.SparseUpdate.nothing(shapes[0], num_elements, axis_name)
       nothing = padded(nothing)._replace(base=mean, sent_all=jnp.bool_(True), live=jnp.int32(0))

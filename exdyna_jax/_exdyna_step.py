@@ -341,7 +341,7 @@ def next_state(
       imbalance=_stats.imbalance_of(workloads),
       partition_starts=_partition.starts_of(sizes),
       partition_sizes=sizes,
-      bytes_sent=_stats.static_bytes(bytes_sent),
+      **_stats.bytes_fields(state.stats, bytes_sent),
       target=jnp.int32(budget.target),
   )
   return ExDynaState(

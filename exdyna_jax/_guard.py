@@ -252,7 +252,8 @@ def skip_if_nonfinite(
   output, stats = jax.lax.switch(branch, (step, skip_step, stop_misfit))
   flag_bytes, count_bytes = (_collectives.ring_all_reduce_bytes(num_workers, size)
                              for size in (2 * _collectives.INDEX_BYTES, _collectives.INDEX_BYTES))
-  bytes_sent = _stats.add_bytes(stats.bytes_sent, flag_bytes + skip * count_bytes)
+  guard_bytes = flag_bytes + skip * count_bytes
+  bytes_sent = _stats.add_bytes(stats.bytes_sent, guard_bytes)
   done = branch == 0
   stats = stats._replace(
       step=previous_stats.step + done.astype(jnp.int32),  # the one place steps are counted
@@ -264,7 +265,7 @@ def skip_if_nonfinite(
       transmitted_total=_stats.add_to_total(
           previous_stats.transmitted_total, done * stats.transmitted),
       overflow_total=_stats.add_to_total(previous_stats.overflow_total, done * stats.overflow),
-      bytes_total=_stats.add_to_total(previous_stats.bytes_total, bytes_sent),
+      bytes_total=_stats.add_to_total(stats.bytes_total, guard_bytes),  # the step's added
       target_total=_stats.add_to_total(previous_stats.target_total, done * stats.target),
   )
   return output, stats

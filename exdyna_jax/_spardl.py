@@ -371,5 +371,5 @@ def final_list_stats(stats: _stats.SparsifierStats, real: jax.Array, update_valu
       overflow=jnp.zeros((), jnp.int32),
       workloads=workloads,
       imbalance=_stats.imbalance_of(workloads),
-      bytes_sent=_stats.static_bytes(bytes_sent),
+      **_stats.bytes_fields(stats, bytes_sent),
   )

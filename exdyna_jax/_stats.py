@@ -15,10 +15,15 @@ WORD = 2**31  # a running total is two int32 words: high * WORD + low
 TOTALS = ("transmitted_total", "overflow_total", "bytes_total", "target_total")
 
 
-def add_to_total(words: jax.Array, count: jax.Array) -> jax.Array:
-  """``words + count`` for a nonnegative int32 ``count``, carried into the high word."""
+def add_to_total(words: jax.Array, count: jax.Array | int) -> jax.Array:
+  """``words + count``, carried into the high word.
+
+  ``count`` is a nonnegative int32, or a static Python int of any size (a
+  step's bytes past ``2**31``): its multiples of ``WORD`` go to the high word.
+  """
+  high_count, count = divmod(count, WORD) if isinstance(count, int) else (0, count)
   low = words[..., 1].astype(jnp.uint32) + jnp.asarray(count, jnp.int32).astype(jnp.uint32)
-  high = words[..., 0] + (low >> 31).astype(jnp.int32)
+  high = words[..., 0] + (low >> 31).astype(jnp.int32) + high_count
   return jnp.stack([high, (low & (WORD - 1)).astype(jnp.int32)], axis=-1)
 
 
@@ -57,8 +62,8 @@ class SparsifierStats(NamedTuple):
       control counts included; it equals what the compiled program's
       collectives move (see `exdyna_jax.demo.traffic`). It saturates at
       ``2**31 - 1``: a step that moves more (a dense all-reduce of 307M
-      float32 parameters or more on 8 workers) reads ``2**31 - 1``, and adds
-      that to ``bytes_total``.
+      float32 parameters or more on 8 workers) reads ``2**31 - 1``;
+      ``bytes_total`` counts it exactly.
     nonfinite: int32 NaN or infinite elements in the last step's gradients
       ``g``, summed over all workers. When it is nonzero every
       worker skipped that step: the update was zero and every other field,
@@ -272,9 +277,14 @@ def whole_vector(num_workers: int, num_elements: int) -> tuple[jax.Array, jax.Ar
   )
 
 
-def static_bytes(num_bytes: int) -> jax.Array:
-  """A static byte count as int32, saturating at ``2**31 - 1``."""
-  return jnp.int32(min(num_bytes, INT32_MAX))
+def bytes_fields(stats: SparsifierStats, num_bytes: int) -> dict[str, jax.Array]:
+  """A step's static ``num_bytes`` as the fields ``stats._replace`` takes.
+
+  ``bytes_sent`` saturates at ``2**31 - 1``; ``bytes_total`` adds the exact
+  count (the guard adds its own flags' bytes to both).
+  """
+  return {"bytes_sent": jnp.int32(min(num_bytes, INT32_MAX)),
+          "bytes_total": add_to_total(stats.bytes_total, num_bytes)}
 
 
 def add_bytes(num_bytes: jax.Array, more: jax.Array | int) -> jax.Array:
@@ -305,7 +315,7 @@ def unpartitioned_stats(
     overflow: int32 elements that passed but were not sent.
     workloads: int32 ``[n]`` elements selected by each worker.
     num_elements: ``N``.
-    bytes_sent: static bytes one worker sent (saturates at ``2**31 - 1``).
+    bytes_sent: static bytes one worker sent (`bytes_fields`).
     target: static ``k`` the step was asked to transmit.
 
   Returns:
@@ -321,7 +331,7 @@ def unpartitioned_stats(
       imbalance=imbalance_of(workloads),
       partition_starts=starts,
       partition_sizes=sizes,
-      bytes_sent=static_bytes(bytes_sent),
+      **bytes_fields(previous, bytes_sent),
       target=jnp.int32(target),
   )
 

@@ -267,18 +267,22 @@ def test_simulated_workers_keep_the_guards_two_conditionals(name):
     assert [eqn.primitive.name for eqn in equations].count("cond") == 2
 
 
-def test_a_step_past_int32_bytes_reads_saturated_never_negative():
-  """A step whose own bytes saturate (``2**31 - 1``: a dense all-reduce of 307M
-  float32 parameters on 8 workers) stays saturated once the guard adds its
-  flags' ``psum`` (it wrapped round to a negative count)."""
+def test_a_step_past_int32_bytes_reads_saturated_and_is_totalled_exactly():
+  """A step whose own bytes pass ``2**31 - 1`` (a dense all-reduce of 307M
+  float32 parameters on 8 workers) reads saturated once the guard adds its
+  flags' ``psum`` (the int32 sum wrapped round to a negative count), and the
+  run total counts it exactly (it added the saturated figure)."""
   previous = _stats.initial_stats(0.0, *_stats.whole_vector(2, 1))
+  step_bytes, flag_bytes = 2**33 + 5, 8  # the flags: a ring all-reduce of 8 bytes over 2
 
   def guarded(values):
     def step():
-      return jnp.zeros(3), previous._replace(bytes_sent=_stats.static_bytes(2**33))
+      return jnp.zeros(3), previous._replace(**_stats.bytes_fields(previous, step_bytes))
 
     screened = _guard.screen(values, previous, 2, "data")
     return _guard.skip_if_nonfinite(screened, step, previous, 2, "data")[1]
 
   stats = jax.vmap(guarded, axis_name="data")({"w": np.ones((2, 4), np.float32)})
   np.testing.assert_array_equal(stats.bytes_sent, [2**31 - 1] * 2)
+  totals = _stats.read_totals(jax.tree.map(lambda x: x[0], stats))
+  assert totals["bytes_sent"] == step_bytes + flag_bytes
