@@ -48,7 +48,11 @@ class Sparsifier(optax.GradientTransformationExtraArgs):
 
 
 class UnboundAxisError(ValueError):
-  """A collective's axis is not bound where it runs (`axis_size`)."""
+  """A collective's axis, ``axis_name``, is not bound where it runs (`axis_size`)."""
+
+  def __init__(self, message: str, axis_name: str):
+    super().__init__(message)
+    self.axis_name = axis_name
 
 
 def axis_size(axis_name: str, *, unbound_message: str | None = None) -> int:
@@ -73,7 +77,8 @@ def axis_size(axis_name: str, *, unbound_message: str | None = None) -> int:
         f"jax.vmap(..., axis_name={axis_name!r}, axis_size=n); with plain jax.jit "
         "use exdyna_jax.data_parallel(), and build a flax TrainState or nnx.Optimizer "
         "with exdyna_jax.create_train_state or exdyna_jax.nnx_optimizer. Or pass "
-        "axis_name= to match your mesh."
+        "axis_name= to match your mesh.",
+        axis_name,
     ) from None
 
 

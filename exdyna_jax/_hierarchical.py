@@ -267,6 +267,8 @@ def _scatter_mode(
     size = slice_size(layout.num_elements, num_local)
     try:
       state = sparsifier.init(jnp.zeros((size,), _layout.ACCUMULATION_DTYPE))
+    except _collectives.UnboundAxisError:
+      raise
     except ValueError as error:
       raise _slice_context(error, layout.num_elements, num_local) from error
     return state
@@ -286,6 +288,8 @@ def _scatter_mode(
     mean = mean.at[0].set(jnp.where(bad, jnp.nan, mean[0]))
     try:
       update, state = sparsifier.update(mean, state, None, **extra_args)
+    except _collectives.UnboundAxisError:
+      raise
     except ValueError as error:
       raise _slice_context(error, layout.num_elements, num_local) from error
     update, state = keep_what_rounding_loses(

@@ -65,6 +65,7 @@ def nnx_optimizer(dp: _sharding.DataParallel, model: nnx.Module, *, wrt: Any = n
     >>> optax.tree.get(nnx.as_pure(optimizer.opt_state), "residual").shape  # one per worker
     (8, 4160)
   """
+  _sharding.require_data_parallel(dp, "nnx_optimizer(dp, model, wrt=...)")
   per_worker = optax.GradientTransformationExtraArgs(  # dp.init places the params itself
       lambda params: dp.init(nnx.as_pure(params)), dp.tx.update)
   return nnx.Optimizer(model, per_worker, wrt=wrt)
@@ -224,6 +225,7 @@ def nnx_step(dp: _sharding.DataParallel, *, reduce: Mapping[type, str] | None = 
     >>> losses[-1].shape, int(dp.stats(optimizer.opt_state).step)  # a loss per worker
     ((8,), 3)
   """
+  _sharding.require_data_parallel(dp, "nnx_step(dp, reduce=...)")
   reduce = dict(reduce or {})
   check_reduce(reduce)
 

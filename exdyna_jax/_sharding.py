@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -110,7 +110,7 @@ def data_parallel(
     tx: optax.GradientTransformation,
     mesh: jax.sharding.Mesh,
     *,
-    axis_name: str | tuple[str, ...] = "data",
+    axis_name: str | Sequence[str] = "data",
 ) -> DataParallel:
   """Wires an optimizer whose first stage is a sparsifier for data-parallel training.
 
@@ -126,10 +126,11 @@ def data_parallel(
     and ``stats``.
 
   Raises:
-    ValueError: if ``mesh`` has no axis ``axis_name``; from ``init``, if the
-      optimizer communicates over a mesh axis of more than one device that
-      ``axis_name`` leaves out (a `hierarchical` sparsifier's fast axis):
-      the batch and the state would be replicated over it.
+    ValueError: if ``mesh`` has no axis ``axis_name``; from ``init``, on a
+      mesh of several axes, if the optimizer communicates over an axis of
+      more than one device that ``axis_name`` leaves out (a `hierarchical`
+      sparsifier's fast axis: the batch and the state would be replicated
+      over it), or never over one that it names.
 
   Warns:
     UserWarning: for an axis of one device (nothing to exchange; the usual
@@ -186,6 +187,7 @@ def data_parallel(
     >>> losses[-1] < losses[0], int(exdyna_jax.get_stats(opt_state).step[0])
     (True, 5)
   """
+  axis_name = axis_name if isinstance(axis_name, str) else data_axes(axis_name)
   workers = num_workers(mesh, axis_name)
   if workers == 1:
     warnings.warn(
@@ -254,51 +256,86 @@ def data_parallel(
   return DataParallel(init, step, update, value_and_grad, stats, tx, mesh, axis_name)
 
 
+def data_axes(axis_name: str | Sequence[str]) -> tuple[str, ...]:
+  """``axis_name`` as a tuple of mesh axis names."""
+  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
 def num_workers(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...]) -> int:
   """Devices along the data-parallel axis or axes of ``mesh``: the workers.
 
   Raises:
-    ValueError: for an axis the mesh does not have.
+    ValueError: for an axis the mesh does not have, or one named twice.
   """
-  axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-  if not axes or any(axis not in mesh.axis_names for axis in axes):
+  axes = data_axes(axis_name)
+  if not axes or len(set(axes)) < len(axes) or any(a not in mesh.axis_names for a in axes):
     raise ValueError(
-        f"The mesh has axes {mesh.axis_names}, not {axis_name!r}; pass "
-        "axis_name= naming its data-parallel axis (or a tuple of them)."
+        f"The mesh has axes {mesh.axis_names}, not {axis_name!r}; pass axis_name= naming "
+        "its data-parallel axis, or a tuple of distinct ones."
     )
   return math.prod(mesh.shape[axis] for axis in axes)
 
 
-def refuse_axes_it_does_not_split(tx: optax.GradientTransformation, params: Any,
-                                  mesh: jax.sharding.Mesh,
-                                  axis_name: str | tuple[str, ...]) -> None:
-  """Raises if ``tx`` needs a mesh axis bound that ``data_parallel`` replicates over.
+def axis_init_needs(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh,
+                    bound: tuple[str, ...]) -> _collectives.UnboundAxisError | None:
+  """What ``tx.init`` raises when only the mesh axes ``bound`` are bound, or None.
 
-  A `hierarchical` sparsifier's fast axis, left out of ``axis_name``, would
-  still be bound inside ``shard_map``: its devices would repeat each other's
-  batch and hold different residuals labelled replicated. ``tx.init`` is
-  traced (abstractly) with only the data axes bound, where the mesh has
-  others.
+  Every sparsifier's ``init`` reads the size of each axis it exchanges over;
+  the trace is abstract (``jax.eval_shape``).
   """
-  axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-  if all(mesh.shape[axis] == 1 for axis in mesh.axis_names if axis not in axes):
-    return
   init = tx.init
-  for axis in reversed(axes):
+  for axis in reversed(bound):
     init = jax.vmap(init, in_axes=None, axis_name=axis, axis_size=mesh.shape[axis])
   try:
     jax.eval_shape(init, params)
   except _collectives.UnboundAxisError as error:
-    unbound = str(error).split(".")[0]
-    others = tuple(axis for axis in mesh.axis_names if axis not in axes)
+    return error
+  return None
+
+
+def refuse_axes_it_does_not_split(tx: optax.GradientTransformation, params: Any,
+                                  mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...]
+                                  ) -> None:
+  """Raises unless ``tx`` exchanges over the data axes exactly, on a mesh of several axes.
+
+  An axis ``tx`` needs beyond them (a `hierarchical` sparsifier's fast axis)
+  would still be bound inside ``shard_map``, its devices repeating each
+  other's batch with different states labelled replicated; a data axis it
+  never exchanges over leaves the workers along it training apart.
+  """
+  axes = data_axes(axis_name)
+  others = tuple(a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1)
+  split = tuple(a for a in axes if mesh.shape[a] > 1)
+  if not others and len(split) < 2:  # one axis: data_parallel.init's leaf check covers it
+    return
+  unbound = axis_init_needs(tx, params, mesh, axes)
+  if unbound is not None and unbound.axis_name not in mesh.axis_names:
+    raise unbound  # its message: match the sparsifier's axis_name to the mesh
+  if unbound is not None:
     raise ValueError(
         f"data_parallel(axis_name={axis_name!r}) splits the batch and the optimizer state "
         f"over {axis_name!r} only and replicates them over {others}, but the optimizer "
-        f"communicates over another axis ({unbound}): its devices would repeat each "
+        f"communicates over {unbound.axis_name!r} too: its devices would repeat each "
         "other's batch and hold different states labelled replicated. Name every axis the "
         f"workers span, e.g. data_parallel(tx, mesh, axis_name={axes + others!r}) for a "
         "hierarchical(...) sparsifier."
-    ) from None
+    )
+  for axis in split:
+    if axis_init_needs(tx, params, mesh, tuple(a for a in axes if a != axis)) is None:
+      raise ValueError(
+          f"The optimizer never exchanges over {axis!r}, one of the data axes {axes}: the "
+          f"workers along it would train apart. Wrap the sparsifier in hierarchical(..., "
+          f"fast_axis={axis!r}), or leave {axis!r} out of axis_name."
+      )
+
+
+def require_data_parallel(dp: Any, call: str) -> None:
+  """Raises unless ``dp`` is a `DataParallel` (the Flax helpers take it first)."""
+  if not isinstance(dp, DataParallel):
+    raise TypeError(
+        f"{call} takes what exdyna_jax.data_parallel(tx, mesh) returns first, got "
+        f"{type(dp).__name__}."
+    )
 
 
 def per_worker_map(mesh: jax.sharding.Mesh, fn: Callable, in_specs: Any, out_specs: Any

@@ -68,6 +68,7 @@ def create_train_state(dp: _sharding.DataParallel, state_class: type = TrainStat
     >>> optax.tree.get(state.opt_state, "residual").shape  # one per worker
     (8, 4160)
   """
+  _sharding.require_data_parallel(dp, "create_train_state(dp, apply_fn=..., params=...)")
   state = state_class.create(apply_fn=apply_fn, params=params, tx=optax.identity(), **fields)
   return state.replace(tx=dp.tx, opt_state=dp.init(params))
 
@@ -182,6 +183,7 @@ def train_state_step(dp: _sharding.DataParallel, *, reduce: Mapping[str, str] | 
     >>> losses.shape, int(state.step), int(dp.stats(state.opt_state).step)
     ((8,), 3, 3)
   """
+  _sharding.require_data_parallel(dp, "train_state_step(dp, reduce=...)")
   reduce = dict(reduce or {})
   check_reduce(reduce)
 

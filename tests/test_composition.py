@@ -510,3 +510,21 @@ def test_a_jit_of_the_users_around_the_train_step_runs():
   for _ in range(2):
     state = jax.jit(train_step)(*state, np.ones((NUM_WORKERS, 24), np.float32))
   assert int(dp.stats(state[1]).step) == 2
+
+
+def test_the_flax_helpers_take_data_parallel_first():
+  """``nnx.Optimizer(model, tx)`` puts the model first; the helpers take ``dp`` first and
+  say so (the swapped call failed with "'Linear' object has no attribute 'tx'")."""
+  dp = exdyna_jax.data_parallel(optax.chain(exdyna_jax.topk(0.1), optax.sgd(0.1)),
+                                harness.mesh_of(8))
+  model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+  calls = {
+      "nnx_optimizer": lambda: exdyna_jax.nnx_optimizer(model, dp),
+      "nnx_step": lambda: exdyna_jax.nnx_step(dp.tx),
+      "create_train_state": lambda: exdyna_jax.create_train_state(
+          model, apply_fn=None, params={}),
+      "train_state_step": lambda: exdyna_jax.train_state_step(dp.mesh),
+  }
+  for name, call in calls.items():
+    with pytest.raises(TypeError, match=rf"{name}\(dp.*data_parallel\(tx, mesh\) returns first"):
+      call()

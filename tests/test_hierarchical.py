@@ -732,3 +732,14 @@ def test_data_parallel_over_the_slow_axis_alone_is_refused():
   plain = exdyna_jax.data_parallel(optax.chain(CASES["topk"][0](), optax.sgd(0.1)), _mesh("2x4"),
                                    axis_name=NODE)
   assert plain.init(PARAMS)[0].residual.shape == (MESHES["2x4"][0], NUM_ELEMENTS)
+
+
+def test_data_axes_the_optimizer_never_exchanges_over_are_refused():
+  """A sparsifier over ``node`` alone with both axes named: the workers along ``local`` would
+  train apart (dp.update returned their different updates labelled replicated)."""
+  mesh = _mesh("2x4")
+  tx = optax.chain(CASES["topk"][0](), optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"never exchanges over 'local'.*hierarchical"):
+    exdyna_jax.data_parallel(tx, mesh, axis_name=(NODE, LOCAL)).init(PARAMS)
+  with pytest.raises(ValueError, match="a tuple of distinct ones"):
+    exdyna_jax.data_parallel(tx, mesh, axis_name=(NODE, NODE))
