@@ -208,13 +208,13 @@ class PartitionEstimate(NamedTuple):
 
   Attributes:
     block_workloads: float32 ``[B]`` the balanced partitioner's smoothed
-      share of the selections in each block (empty for the others).
+      share of the selections in each block (None for the others).
     worker_scales: float32 ``[n]`` its estimate of how much more each worker
-      selects than the block estimate predicts (empty for the others).
+      selects than the block estimate predicts (None for the others).
   """
 
-  block_workloads: jax.Array
-  worker_scales: jax.Array
+  block_workloads: jax.Array | None
+  worker_scales: jax.Array | None
 
 
 class Partitioner(NamedTuple):
@@ -241,9 +241,9 @@ class Partitioner(NamedTuple):
 
 
 def learns_nothing(geometry: BlockGeometry) -> PartitionEstimate:
-  """The estimate of a partitioner that keeps none: empty arrays."""
+  """The estimate of a partitioner that keeps none: no arrays (orbax saves no empty one)."""
   del geometry
-  return PartitionEstimate(jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32))
+  return PartitionEstimate(None, None)
 
 
 def keep_estimate(estimate: PartitionEstimate, geometry: BlockGeometry, **observed: Any

@@ -167,7 +167,7 @@ def _resize(new: Any, old: Any, num_workers: int) -> Any:
   for name in CARRIED_FIELDS:
     if name in new._fields:
       carried[name] = jnp.broadcast_to(getattr(old, name)[0], getattr(new, name).shape)
-  if "block_workloads" in new._fields and old.block_workloads.shape[1:] == (
+  if getattr(new, "block_workloads", None) is not None and jnp.shape(old.block_workloads)[1:] == (
       new.block_workloads.shape[1:]
   ):
     carried["block_workloads"] = jnp.broadcast_to(

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -320,3 +321,18 @@ def test_a_state_for_renamed_leaves_is_refused_naming_them(name):
                      match=r"laid out for another parameter tree.*renamed, reordered.*"
                            r"\['mlp'\] \(256,\), \['norm'\] \(256,\).*tx\.init"):
     jax.block_until_ready(step(state, {"mlp": ones, "norm": ones}))
+
+
+@pytest.mark.parametrize(
+    "tx", [exdyna_jax.get_sparsifier(name, **({} if name == "dense" else {"density": 0.05}))
+           for name in exdyna_jax.available_sparsifiers()]
+    + [exdyna_jax.exdyna(0.05, controller="reference", num_blocks=64)],
+    ids=[*exdyna_jax.available_sparsifiers(), "exdyna_reference"])
+def test_every_methods_state_round_trips_through_orbax(tx, tmp_path):
+  """MiCRO's and the reference ExDyna's states held empty arrays, which orbax refuses to
+  save ("Cannot save arrays with zero size")."""
+  state = jax.vmap(tx.init, in_axes=None, axis_name="data", axis_size=4)(jnp.zeros(4096))
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "state", state)
+  checkpointer.wait_until_finished()
+  chex.assert_trees_all_equal(checkpointer.restore(tmp_path / "state", abstract(state)), state)

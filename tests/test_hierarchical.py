@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from jax import P
 
@@ -694,7 +695,7 @@ def test_bfloat16_leaves_lose_nothing_to_rounding(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_data_parallel_over_both_axes_runs_it_per_device(mode):
+def test_data_parallel_over_both_axes_runs_it_per_device(mode, tmp_path):
   """``data_parallel(..., axis_name=(node, local))``: one worker per device, the model's updates.
 
   The state is split over both axes (each device keeps its own residual, as
@@ -719,6 +720,13 @@ def test_data_parallel_over_both_axes_runs_it_per_device(mode):
   residuals = np.asarray(residual).reshape(num_nodes, num_local, width)
   for local in range(num_local):
     np.testing.assert_array_equal(residuals[:, local], models[local]["residuals"][:, -1])
+
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "state", state)
+  checkpointer.wait_until_finished()
+  restored = checkpointer.restore(
+      tmp_path / "state", jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
+  chex.assert_trees_all_equal(restored, state)
 
 
 def test_data_parallel_over_the_slow_axis_alone_is_refused():
