@@ -14,7 +14,6 @@ per-worker gradients stacked along that axis instead.
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from jax import P
 
-from exdyna_jax import _collectives, _dp_checks, _layout, _local_steps, _stats
+from exdyna_jax import _dp_checks, _layout, _local_steps, _mesh_axes, _stats
 
 
 def add_worker_axis(tree):
@@ -187,8 +186,8 @@ def data_parallel(
     >>> losses[-1] < losses[0], int(exdyna_jax.get_stats(opt_state).step[0])
     (True, 5)
   """
-  axis_name = axis_name if isinstance(axis_name, str) else data_axes(axis_name)
-  workers = num_workers(mesh, axis_name)
+  axis_name = axis_name if isinstance(axis_name, str) else _mesh_axes.data_axes(axis_name)
+  workers = _mesh_axes.num_workers(mesh, axis_name)
   if workers == 1:
     warnings.warn(
         f"data_parallel over one worker: the mesh's {axis_name!r} axis has 1 device "
@@ -203,7 +202,7 @@ def data_parallel(
   shard = functools.partial(per_worker_map, mesh)
 
   def init(params):
-    refuse_axes_it_does_not_split(tx, params, mesh, axis_name)
+    _mesh_axes.refuse_axes_it_does_not_split(tx, params, mesh, axis_name)
     with _layout.recording_params() as seen:
       opt_state = shard(lambda p: add_worker_axis(tx.init(p)), P(), per_worker)(
           jax.device_put(params, replicated))
@@ -256,79 +255,6 @@ def data_parallel(
   return DataParallel(init, step, update, value_and_grad, stats, tx, mesh, axis_name)
 
 
-def data_axes(axis_name: str | Sequence[str]) -> tuple[str, ...]:
-  """``axis_name`` as a tuple of mesh axis names."""
-  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-
-
-def num_workers(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...]) -> int:
-  """Devices along the data-parallel axis or axes of ``mesh``: the workers.
-
-  Raises:
-    ValueError: for an axis the mesh does not have, or one named twice.
-  """
-  axes = data_axes(axis_name)
-  if not axes or len(set(axes)) < len(axes) or any(a not in mesh.axis_names for a in axes):
-    raise ValueError(
-        f"The mesh has axes {mesh.axis_names}, not {axis_name!r}; pass axis_name= naming "
-        "its data-parallel axis, or a tuple of distinct ones."
-    )
-  return math.prod(mesh.shape[axis] for axis in axes)
-
-
-def axis_init_needs(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh,
-                    bound: tuple[str, ...]) -> _collectives.UnboundAxisError | None:
-  """What ``tx.init`` raises when only the mesh axes ``bound`` are bound, or None.
-
-  Every sparsifier's ``init`` reads the size of each axis it exchanges over;
-  the trace is abstract (``jax.eval_shape``).
-  """
-  init = tx.init
-  for axis in reversed(bound):
-    init = jax.vmap(init, in_axes=None, axis_name=axis, axis_size=mesh.shape[axis])
-  try:
-    jax.eval_shape(init, params)
-  except _collectives.UnboundAxisError as error:
-    return error
-  return None
-
-
-def refuse_axes_it_does_not_split(tx: optax.GradientTransformation, params: Any,
-                                  mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...]
-                                  ) -> None:
-  """Raises unless ``tx`` exchanges over the data axes exactly, on a mesh of several axes.
-
-  An axis ``tx`` needs beyond them (a `hierarchical` sparsifier's fast axis)
-  would still be bound inside ``shard_map``, its devices repeating each
-  other's batch with different states labelled replicated; a data axis it
-  never exchanges over leaves the workers along it training apart.
-  """
-  axes = data_axes(axis_name)
-  others = tuple(a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1)
-  split = tuple(a for a in axes if mesh.shape[a] > 1)
-  if not others and len(split) < 2:  # one axis: data_parallel.init's leaf check covers it
-    return
-  unbound = axis_init_needs(tx, params, mesh, axes)
-  if unbound is not None and unbound.axis_name not in mesh.axis_names:
-    raise unbound  # its message: match the sparsifier's axis_name to the mesh
-  if unbound is not None:
-    raise ValueError(
-        f"data_parallel(axis_name={axis_name!r}) splits the batch and the optimizer state "
-        f"over {axis_name!r} only and replicates them over {others}, but the optimizer "
-        f"communicates over {unbound.axis_name!r} too: its devices would repeat each "
-        "other's batch and hold different states labelled replicated. Name every axis the "
-        f"workers span, e.g. data_parallel(tx, mesh, axis_name={axes + others!r}) for a "
-        "hierarchical(...) sparsifier."
-    )
-  for axis in split:
-    if axis_init_needs(tx, params, mesh, tuple(a for a in axes if a != axis)) is None:
-      raise ValueError(
-          f"The optimizer never exchanges over {axis!r}, one of the data axes {axes}: the "
-          f"workers along it would train apart. Wrap the sparsifier in hierarchical(..., "
-          f"fast_axis={axis!r}), or leave {axis!r} out of axis_name."
-      )
-
-
 def require_data_parallel(dp: Any, call: str) -> None:
   """Raises unless ``dp`` is a `DataParallel` (the Flax helpers take it first)."""
   if not isinstance(dp, DataParallel):
@@ -365,7 +291,7 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
   swap the parameters themselves.
   """
   per_worker, shard = P(axis_name), functools.partial(per_worker_map, mesh)
-  workers = num_workers(mesh, axis_name)
+  workers = _mesh_axes.num_workers(mesh, axis_name)
   replicated, split = jax.NamedSharding(mesh, P()), jax.NamedSharding(mesh, per_worker)
 
   def body(params, opt_state, batch, *args):
