@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+import types
 from collections.abc import Callable, Sequence
 
 from exdyna_jax import _shaped_links
@@ -195,12 +196,12 @@ def _use_cpu_devices(count: int) -> None:
 
 
 # What a task trains with unless told otherwise: SGD on the digits, AdamW on the text.
-TASK_DEFAULTS = {
+TASK_DEFAULTS = types.MappingProxyType({
     "digits": {"optimizer": "sgd", "learning_rate": 0.3, "batch_per_worker": 32,
                "warmup_steps": 0},
     "lm": {"optimizer": "adamw", "learning_rate": 3e-3, "batch_per_worker": 8,
            "warmup_steps": 30},
-}
+})
 
 
 def _demo_config(args: argparse.Namespace, *, task: str, steps: int, eval_every: int):

@@ -15,6 +15,8 @@ class DenseState(NamedTuple):
 
   Attributes:
     stats: `SparsifierStats` of the last step.
+    leaves_seen: `_layout.LeavesSeen`, static: which leaves of the params
+      tree ``init`` saw (None in a state unpickled from before it).
 
   Example:
     >>> import jax, jax.numpy as jnp, exdyna_jax
@@ -25,6 +27,7 @@ class DenseState(NamedTuple):
   """
 
   stats: _stats.SparsifierStats
+  leaves_seen: _layout.LeavesSeen | None = None
 
 
 def dense(*, axis_name: str = "data") -> _collectives.Sparsifier:
@@ -64,7 +67,8 @@ def dense(*, axis_name: str = "data") -> _collectives.Sparsifier:
     layout = _layout.layout_of(params, what="params")
     num_workers = _collectives.axis_size(axis_name)
     return DenseState(
-        _stats.initial_stats(0.0, *_stats.whole_vector(num_workers, layout.num_elements))
+        _stats.initial_stats(0.0, *_stats.whole_vector(num_workers, layout.num_elements)),
+        _layout.leaves_seen(params),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -92,6 +96,6 @@ def dense(*, axis_name: str = "data") -> _collectives.Sparsifier:
     mean, stats = _guard.skip_if_nonfinite(
         screened, lambda: (mean, stats), state.stats, num_workers, axis_name
     )
-    return mean, DenseState(stats)
+    return mean, state._replace(stats=stats)
 
   return _collectives.Sparsifier(init_fn, update_fn, axis_name)

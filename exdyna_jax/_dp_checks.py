@@ -132,33 +132,33 @@ def check_step_outputs(outputs: Any, params: Any, opt_state: Any, step: Any) -> 
   )
 
 
-def refuse_unexchanged_leaves(params: Any, seen: list) -> None:
+def refuse_unexchanged_leaves(params: Any, opt_state: Any) -> None:
   """Raises where a parameter's gradient would reach no sparsifier.
 
   Outside every sparsifier a leaf's gradient stays each worker's own, and
   the replicated params leaving the step would be worker 0's: a silent
-  wrong answer. ``seen`` holds the params tree each sparsifier's init saw
-  (`_layout.recording_params`): ``optax.MaskedNode`` where ``optax.masked``
-  (or ``optax.multi_transform``) kept a leaf from it.
+  wrong answer. Each sparsifier's state in ``opt_state`` records which
+  leaves its ``init`` saw (`_layout.LeavesSeen`: not those ``optax.masked``
+  or ``optax.multi_transform`` kept from it).
 
   Raises:
     ValueError: if ``tx`` holds no sparsifier, or names the leaves none sees.
   """
-  if not seen:
+  states = jax.tree.leaves(opt_state, is_leaf=_stats.is_sparsifier_state)
+  records = [getattr(s, "leaves_seen", None) for s in states if _stats.is_sparsifier_state(s)]
+  if not records:
     raise ValueError(
         "data_parallel(tx, mesh): tx holds no sparsifier, so each worker would train on "
         "its own gradient and the params leaving the step would be worker 0's. Put one "
         "first in the chain: optax.chain(exdyna_jax.exdyna(0.001), optax.sgd(0.1)), or "
         "exdyna_jax.dense() for a plain all-reduce."
     )
-  is_masked = lambda node: isinstance(node, optax.MaskedNode)  # noqa: E731
   paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   reached = set()
-  for tree in seen:
-    leaves = jax.tree.leaves(tree, is_leaf=is_masked)
-    if len(leaves) != len(paths):
-      return  # a tree of another shape (a hierarchical slice, say): cannot tell
-    reached |= {i for i, leaf in enumerate(leaves) if not is_masked(leaf)}
+  for record in records:
+    if record is None or len(record.seen) != len(paths):
+      return  # another tree (a hierarchical slice, say) or no record: cannot tell
+    reached |= {i for i, seen in enumerate(record.seen) if seen}
   missed = [jax.tree_util.keystr(path) for i, path in enumerate(paths) if i not in reached]
   if missed:
     raise ValueError(

@@ -19,6 +19,7 @@ through a `_partition.Partitioner` value):
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,8 +38,8 @@ from exdyna_jax import (
 )
 from exdyna_jax._exdyna_step import ExDynaState, partitioned_step, plan_step
 
-PARTITIONERS = {partitioner.name: partitioner
-                for partitioner in (_balance.BALANCED, _partition.REFERENCE)}
+PARTITIONERS = types.MappingProxyType(
+    {partitioner.name: partitioner for partitioner in (_balance.BALANCED, _partition.REFERENCE)})
 
 
 def exdyna(

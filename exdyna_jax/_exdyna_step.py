@@ -18,6 +18,7 @@ from exdyna_jax import (
   _collectives,
   _early_selection,
   _exchange,
+  _layout,
   _network,
   _options,
   _partition,
@@ -44,11 +45,11 @@ class ExDynaState(NamedTuple):
       passed the threshold at the last step, before the capacity limit (1
       where only the fallback index was sent): the published rules' input.
     block_workloads: float32 ``[B]`` the balanced partitioner's smoothed
-      share of the selections in each block (empty for the other
+      share of the selections in each block (None for the other
       partitioners).
     worker_scales: float32 ``[n]`` the balanced partitioner's estimate of
       how much more each worker selects than the block estimate predicts
-      (empty for the other partitioners).
+      (None for the other partitioners).
     target_correction: float32 the adaptive controller's factor on ``k``,
       learned from the indices it transmitted (it removes the bias of
       interpolating between probes; 1 at first, and always for the reference
@@ -58,6 +59,8 @@ class ExDynaState(NamedTuple):
       `exdyna_jax.get_stats` returns); the step reads only ``stats.step``,
       the count of every step (``step`` above skips a density schedule's
       dense ones).
+    leaves_seen: `_layout.LeavesSeen`, static: which leaves of the params
+      tree ``init`` saw (None in a state unpickled from before it).
 
   Example:
     Two steps on 4 workers simulated with ``jax.vmap``; the gradient is ten
@@ -95,6 +98,7 @@ class ExDynaState(NamedTuple):
   target_correction: jax.Array
   step: jax.Array
   stats: _stats.SparsifierStats
+  leaves_seen: _layout.LeavesSeen | None = None
 
 
 class StepPlan(NamedTuple):

@@ -44,6 +44,8 @@ class ErrorFeedbackState(NamedTuple):
     residual: float32 ``[N]`` error-feedback memory of this worker: what it
       accumulated and has not yet had transmitted.
     stats: `SparsifierStats` of the last step.
+    leaves_seen: `_layout.LeavesSeen`, static: which leaves of the params
+      tree ``init`` saw (None in a state unpickled from before it).
 
   Example:
     >>> import jax, jax.numpy as jnp, exdyna_jax
@@ -62,6 +64,7 @@ class ErrorFeedbackState(NamedTuple):
 
   residual: jax.Array
   stats: _stats.SparsifierStats
+  leaves_seen: _layout.LeavesSeen | None = None
 
 
 def error_feedback_transform(
@@ -72,10 +75,11 @@ def error_feedback_transform(
 ) -> _collectives.Sparsifier:
   """Builds an optax transform around one sparsification step.
 
-  The method's state is any ``NamedTuple`` with a ``residual`` and a
-  ``stats`` field; the shell owns the residual (it forms ``a = g + m`` in the
-  residual's own buffer and writes the new residual back), the method
-  everything else.
+  The method's state is any ``NamedTuple`` with a ``residual``, a ``stats``
+  and a ``leaves_seen`` field (default None); the shell owns the residual
+  (it forms ``a = g + m`` in the residual's own buffer and writes the new
+  residual back) and ``leaves_seen`` (set by ``init``; the step sees None),
+  the method everything else.
 
   Args:
     axis_name: the data-parallel axis.
@@ -99,9 +103,10 @@ def error_feedback_transform(
     residual = jnp.zeros((layout.num_elements,), _layout.ACCUMULATION_DTYPE)
     # Only N enters the state: the first update's gradient lays the residual out
     # (`SparsifierStats.layout`), and every later one must match it.
-    return init_state(
+    state = init_state(
         _collectives.per_worker(residual, axis_name), layout.num_elements, num_workers
     )
+    return state._replace(leaves_seen=_layout.leaves_seen(params))
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
@@ -115,6 +120,7 @@ def error_feedback_transform(
 
   def flat_update(updates, state, layout, num_workers):
     """``update_fn`` on the flat vector: the dense float32 ``[N]`` update and the state."""
+    leaves_seen, state = state.leaves_seen, state._replace(leaves_seen=None)
     layout_fingerprint, leaves = _layout.fingerprint(updates)
     screened = _guard.screen(updates, state.stats, num_workers, axis_name,
                              layout=layout_fingerprint)
@@ -142,7 +148,7 @@ def error_feedback_transform(
     sparse = keep_what_rounding_loses(sparse, layout)
     update = sparse.dense(layout.num_elements)
     residual = sparse.clear(accumulated)[0]
-    return update, rest._replace(residual=residual, stats=stats)
+    return update, rest._replace(residual=residual, stats=stats, leaves_seen=leaves_seen)
 
   return _collectives.Sparsifier(init_fn, update_fn, axis_name)
 

@@ -8,6 +8,7 @@ on real hosts) set, or recognises Slurm's and Open MPI's own, and calls
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Mapping
 
 COORDINATOR_ENV = "EXDYNA_COORDINATOR"
@@ -107,7 +108,8 @@ def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
 
 
 # A cluster launcher's variable for the number of tasks, and the name to give it.
-CLUSTER_TASKS_ENV = {"SLURM_NTASKS": "Slurm", "OMPI_COMM_WORLD_SIZE": "Open MPI"}
+CLUSTER_TASKS_ENV = types.MappingProxyType(
+    {"SLURM_NTASKS": "Slurm", "OMPI_COMM_WORLD_SIZE": "Open MPI"})
 
 
 def _initialize_from_cluster(environ: Mapping[str, str]) -> bool:

@@ -8,16 +8,15 @@ implementation. Accumulation happens in float32 whatever the leaf dtype.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import dataclasses
 import math
 import zlib
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 ACCUMULATION_DTYPE = jnp.float32
 MAX_ELEMENTS = 2**31 - 1  # indices are int32
@@ -43,24 +42,29 @@ class FlatLayout(NamedTuple):
     return tuple(math.prod(shape) for shape in self.shapes)
 
 
-# The params trees that sparsifiers' init() saw, while `recording_params` runs.
-_PARAMS_SEEN: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "exdyna_jax_params_seen", default=None)
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class LeavesSeen:
+  """Which leaves of the params tree a sparsifier's ``init`` saw: static, no arrays.
 
+  ``optax.masked`` (and ``optax.multi_transform``) hand the transforms they
+  wrap ``optax.MaskedNode`` where a leaf is kept from them. Every method's
+  state holds one (``leaves_seen``), so that `data_parallel` can name the
+  leaves no sparsifier sees.
 
-@contextlib.contextmanager
-def recording_params() -> Iterator[list]:
-  """Collects the params tree every sparsifier's init() sees in the block.
-
-  ``optax.masked`` hands its inner transform ``optax.MaskedNode`` where a
-  leaf is masked out, so the trees say which leaves reach a sparsifier.
+  Attributes:
+    seen: for each leaf of the params tree, in flat order, whether it
+      reached the sparsifier.
   """
-  seen: list = []
-  token = _PARAMS_SEEN.set(seen)
-  try:
-    yield seen
-  finally:
-    _PARAMS_SEEN.reset(token)
+
+  seen: tuple[bool, ...]
+
+
+def leaves_seen(params: Any) -> LeavesSeen:
+  """The `LeavesSeen` of the params tree an ``init`` was given."""
+  is_masked = lambda node: isinstance(node, optax.MaskedNode)  # noqa: E731
+  return LeavesSeen(tuple(not is_masked(leaf)
+                          for leaf in jax.tree.leaves(params, is_leaf=is_masked)))
 
 
 def layout_of(tree: Any, *, what: str = "params") -> FlatLayout:
@@ -77,9 +81,6 @@ def layout_of(tree: Any, *, what: str = "params") -> FlatLayout:
     TypeError: if a leaf is not a floating-point array.
     ValueError: if the tree is empty or has ``2**31`` elements or more.
   """
-  seen = _PARAMS_SEEN.get()
-  if seen is not None and what == "params":
-    seen.append(tree)
   leaves, treedef = jax.tree.flatten(tree)
   if not leaves:
     raise ValueError(f"The {what} tree has no array leaves; there is nothing to sparsify.")

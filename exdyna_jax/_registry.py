@@ -1,12 +1,14 @@
 """Every sparsifier by name, for configuration files and benchmarks.
 
-A new method registers itself by adding its factory to `SPARSIFIERS`; the
-tests, the benchmarks and their report read their lists of methods from it.
+A new method registers itself by adding its factory to `SPARSIFIERS`, here
+in the source (the mapping is read-only); the tests, the benchmarks and
+their report read their lists of methods from it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optax
@@ -22,7 +24,7 @@ from exdyna_jax._topk import topk
 Factory = Callable[..., optax.GradientTransformationExtraArgs]
 
 # In the order reports list them: ExDyna and its relatives, the baselines, dense last.
-SPARSIFIERS: dict[str, Factory] = {
+SPARSIFIERS: Mapping[str, Factory] = types.MappingProxyType({
     "exdyna": exdyna,
     "micro": micro,
     "spardl": spardl,
@@ -30,7 +32,7 @@ SPARSIFIERS: dict[str, Factory] = {
     "cltk": cltk,
     "hard_threshold": hard_threshold,
     "dense": dense,
-}
+})
 
 
 def available_sparsifiers() -> tuple[str, ...]:

@@ -33,6 +33,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 from collections.abc import Sequence
 
 from exdyna_jax import _processes
@@ -42,7 +43,8 @@ COORDINATOR_PORT = 8476  # free by construction: the namespaces are the run's ow
 TOOLS = ("ip", "tc", "nsenter")
 
 # tc's rate units (decimal, bits per second).
-_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+_UNITS = types.MappingProxyType(
+    {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12})
 UNSHAPED = "unshaped"
 HUB_NAME = "exdyna-jax-hub"
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from jax import P
 
-from exdyna_jax import _dp_checks, _layout, _local_steps, _mesh_axes, _stats
+from exdyna_jax import _dp_checks, _local_steps, _mesh_axes, _stats
 
 
 def add_worker_axis(tree):
@@ -203,10 +203,9 @@ def data_parallel(
 
   def init(params):
     _mesh_axes.refuse_axes_it_does_not_split(tx, params, mesh, axis_name)
-    with _layout.recording_params() as seen:
-      opt_state = shard(lambda p: add_worker_axis(tx.init(p)), P(), per_worker)(
-          jax.device_put(params, replicated))
-    _dp_checks.refuse_unexchanged_leaves(params, seen)
+    opt_state = shard(lambda p: add_worker_axis(tx.init(p)), P(), per_worker)(
+        jax.device_put(params, replicated))
+    _dp_checks.refuse_unexchanged_leaves(params, opt_state)
     _dp_checks.warn_if_not_first(opt_state, params)
     _dp_checks.warn_if_moments_after(opt_state)
     _dp_checks.check_multi_steps(opt_state)

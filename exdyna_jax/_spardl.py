@@ -35,6 +35,7 @@ from exdyna_jax import (
   _density_schedule,
   _exchange,
   _feedback,
+  _layout,
   _options,
   _spardl_rounds,
   _stats,
@@ -99,6 +100,8 @@ class SparDLState(NamedTuple):
       phases.
     rounds: `SparDLRounds`, the per-round traffic of the last step (the
       same every step unless the density follows a schedule).
+    leaves_seen: `_layout.LeavesSeen`, static: which leaves of the params
+      tree ``init`` saw (None in a state unpickled from before it).
 
   Example:
     One state per worker (eight simulated with ``jax.vmap``); `spardl`'s
@@ -115,6 +118,7 @@ class SparDLState(NamedTuple):
   residual: jax.Array
   stats: _stats.SparsifierStats
   rounds: SparDLRounds
+  leaves_seen: _layout.LeavesSeen | None = None
 
 
 def _saturated(byte_counts: list[int]) -> jax.Array:

@@ -54,6 +54,7 @@ References:
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -300,12 +301,12 @@ def correct(
   return jnp.where(steady, jnp.exp(jnp.clip(moved, low, high)), correction).astype(jnp.float32)
 
 
-CONTROLLERS = {
+CONTROLLERS = types.MappingProxyType({
     "reference": ThresholdController("reference", hard_threshold_rule, _reference_choose, 0),
     "adaptive": ThresholdController(
         "adaptive", hard_threshold_rule, _adaptive_choose, len(ADAPTIVE_PROBE_RATIOS)
     ),
-}
+})
 
 
 def control_bytes(controller: ThresholdController, num_workers: int) -> int:

@@ -9,6 +9,8 @@ module. Its updates and residuals are checked against a NumPy model.
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,7 +44,8 @@ def round_robin(density, *, axis_name: str = "data", value_dtype=jnp.float32):
 
 @pytest.fixture
 def registered(monkeypatch):
-  monkeypatch.setitem(_registry.SPARSIFIERS, "round_robin", round_robin)
+  monkeypatch.setattr(_registry, "SPARSIFIERS",
+                      types.MappingProxyType({**_registry.SPARSIFIERS, "round_robin": round_robin}))
 
 
 def model(grads, densities):

@@ -73,3 +73,26 @@ def test_the_demo_uses_the_public_api_only():
       for path in (PACKAGE / "demo").rglob("*.py")
   }
   assert {name: found for name, found in private.items() if found} == {}
+
+
+def test_no_side_channels_in_the_library():
+  """Values, not registries: no context variables, no weak-key maps keyed on objects, and
+  no module-level dict or set that code could fill at run time (tables are read-only
+  ``types.MappingProxyType``s)."""
+  found = []
+  for path in PACKAGE.rglob("*.py"):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+      names = {alias.name for alias in getattr(node, "names", [])}
+      if isinstance(node, ast.Import | ast.ImportFrom) and (
+          "contextvars" in names or node.__dict__.get("module") == "contextvars"
+          or "WeakKeyDictionary" in names):
+        found.append(f"{path.name}: imports {sorted(names)}")
+      if isinstance(node, ast.Attribute) and node.attr in {"ContextVar", "WeakKeyDictionary"}:
+        found.append(f"{path.name}: {node.attr}")
+    for statement in tree.body:  # module level only
+      value = getattr(statement, "value", None)
+      if isinstance(statement, ast.Assign | ast.AnnAssign) and isinstance(
+          value, ast.Dict | ast.Set | ast.DictComp | ast.SetComp):
+        found.append(f"{path.name}:{statement.lineno}: a mutable module-level container")
+  assert found == []

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import re
+import types
 from typing import Any
 
 # The name scopes of what the library runs only on a rare step: the guard's
@@ -46,7 +47,7 @@ from typing import Any
 SKIPPED_STEP_SCOPE = "skipped_step"
 SELECTED_AGAIN_SCOPE = "selected_again"
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-DTYPE_BYTES = {
+DTYPE_BYTES = types.MappingProxyType({
   "pred": 1,
   "s8": 1,
   "u8": 1,
@@ -62,7 +63,7 @@ DTYPE_BYTES = {
   "f64": 8,
   "c64": 8,
   "c128": 16,
-}
+})
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -104,9 +105,9 @@ def digits_task(layer_sizes: tuple[int, ...] = DIGITS_LAYER_SIZES) -> Task:
   )
 
 
-TASKS = {
+TASKS = types.MappingProxyType({
     "digits": digits_task,
     "digits-wide": lambda: digits_task(WIDE_DIGITS_LAYER_SIZES),
     "lm": language_model_task,
     "lm-code": lambda: language_model_task("code"),
-}
+})
