@@ -55,10 +55,9 @@ def test_every_name_builds_and_runs_one_step(name):
      ("top-k", "topk"), ("Top_K", "topk"), ("EXDYNA", "exdyna"), ("cl-tk", "cltk")],
 )
 def test_names_ignore_case_dashes_and_underscores(monkeypatch, spelling, name):
-  for known in exdyna_jax.available_sparsifiers():
-    monkeypatch.setitem(
-        exdyna_jax._registry.SPARSIFIERS, known, lambda known=known, **options: (known, options)
-    )
+  monkeypatch.setattr(exdyna_jax._registry, "SPARSIFIERS", {
+      known: lambda known=known, **options: (known, options)
+      for known in exdyna_jax.available_sparsifiers()})
   assert exdyna_jax.get_sparsifier(spelling, density=0.1) == (name, {"density": 0.1})
 
 
