@@ -1,8 +1,9 @@
 """What `data_parallel` refuses or warns about in what users hand it.
 
 Each check names the fix. They run outside the compiled step: on the batch
-at every call (`check_batch`, a shape test), on the tree each sparsifier's
-``init`` saw (`refuse_unexchanged_leaves`), on the state ``init`` built
+at every call (`check_batch`, a shape test), on the params ``init`` is given
+(`warn_if_sharded`), on the leaves each sparsifier's ``init`` saw
+(`refuse_unexchanged_leaves`), on the state ``init`` built
 (`warn_if_not_first`, `warn_if_moments_after`, `check_multi_steps`), and on
 the replicated params after the first call (`refuse_per_worker_params`).
 """
@@ -214,6 +215,30 @@ def refuse_per_worker_params(differs: Any) -> None:
         "an aux output (one per worker), or let a rule do it: exdyna_jax.nnx_step(dp, "
         "reduce={nnx.BatchStat: 'mean'}) with Flax NNX, exdyna_jax.train_state_step(dp, "
         "reduce={'batch_stats': 'mean'}) with a flax TrainState."
+    )
+
+
+def warn_if_sharded(params: Any) -> None:
+  """Warns where parameters arrive sharded: ``data_parallel`` replicates them.
+
+  Tensor-parallel (``P(None, "model")``) or FSDP-style shardings are not
+  kept: every device would hold, and update, the whole model.
+  """
+  sharded = [
+      f"{jax.tree_util.keystr(path)} {leaf.sharding.spec}"
+      for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+      if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding)
+      and not leaf.sharding.is_fully_replicated
+  ]
+  if sharded:
+    warnings.warn(
+        f"data_parallel replicates the parameters on every device, and {len(sharded)} "
+        f"arrive sharded ({', '.join(sharded[:3])}{', ...' if len(sharded) > 3 else ''}): "
+        "each device will hold and update the whole model. Model-sharded parameters "
+        "(tensor parallel, FSDP) are not supported yet; replicate them on purpose "
+        "(jax.device_put(params, NamedSharding(mesh, P()))) to silence this.",
+        UserWarning,
+        stacklevel=3,
     )
 
 

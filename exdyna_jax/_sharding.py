@@ -203,6 +203,7 @@ def data_parallel(
 
   def init(params):
     _mesh_axes.refuse_axes_it_does_not_split(tx, params, mesh, axis_name)
+    _dp_checks.warn_if_sharded(params)
     opt_state = shard(lambda p: add_worker_axis(tx.init(p)), P(), per_worker)(
         jax.device_put(params, replicated))
     _dp_checks.refuse_unexchanged_leaves(params, opt_state)
