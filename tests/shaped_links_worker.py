@@ -4,6 +4,9 @@ Prints one JSON line: its network namespace, the psum of every process's
 ``rank + 1``, and the seconds one all-gather of ``--megabytes`` MB per
 process took (the median of three). With ``--then`` it afterwards kills
 itself (``die``) or sleeps (``hang``) so the test can stop the launcher.
+With ``--report-first`` it prints its rank and namespace before JAX starts
+(for a test whose launcher times out: a busy machine can take longer than
+that to start JAX), and no line after.
 """
 
 import argparse
@@ -12,17 +15,21 @@ import os
 import signal
 import time
 
-from exdyna_jax import launch
+parser = argparse.ArgumentParser()
+parser.add_argument("--megabytes", type=float, default=0.0)
+parser.add_argument("--then", choices=("exit", "die", "hang"), default="exit")
+parser.add_argument("--report-first", action="store_true")
+args = parser.parse_args()
+if args.report_first:
+  print(json.dumps({"rank": int(os.environ["EXDYNA_PROCESS_ID"]),
+                    "namespace": os.readlink("/proc/self/ns/net")}), flush=True)
+
+from exdyna_jax import launch  # noqa: E402
 
 launch.initialize_from_env()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--megabytes", type=float, default=0.0)
-parser.add_argument("--then", choices=("exit", "die", "hang"), default="exit")
-args = parser.parse_args()
 
 mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 rank = jax.process_index()
@@ -53,7 +60,8 @@ if args.megabytes:
     jax.block_until_ready(gather(values))
     seconds.append(time.perf_counter() - start)
   report["gather_seconds"] = float(np.median(seconds))
-print(json.dumps(report), flush=True)
+if not args.report_first:
+  print(json.dumps(report), flush=True)
 if args.then == "die":
   os.kill(os.getpid(), signal.SIGKILL) if rank == 1 else time.sleep(60)
 elif args.then == "hang":

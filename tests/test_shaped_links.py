@@ -144,7 +144,8 @@ def test_a_killed_worker_stops_the_run_and_leaves_no_namespace():
 
 @needs_namespaces
 def test_a_timeout_stops_the_run_and_leaves_no_namespace():
-  proc = _start_launcher("--link-rate=1gbit", "--timeout=6", worker_args=["--then=hang"])
+  proc = _start_launcher("--link-rate=1gbit", "--timeout=6",
+                         worker_args=["--then=hang", "--report-first"])
   reports = _reports(proc)
   code, err = _finish(proc)
   assert code == 124, err[-3000:]
