@@ -28,7 +28,7 @@ Every process shares this machine's cores, as the devices of the local run
 do, so the split compares like with like. Also written: each method's
 crossover link rate (above it dense's step, ``a + b / rate`` through the
 two slowest links, is the shorter) and the alpha-beta model of
-its collectives (`exdyna_jax.demo.hlo` ring counts of the compiled step,
+its collectives (`exdyna_jax.hlo` ring counts of the compiled step,
 ``alpha`` and the bandwidth fitted to the calibration) against the measured
 exchange.
 

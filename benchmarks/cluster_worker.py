@@ -44,8 +44,8 @@ import optax  # noqa: E402
 
 import exdyna_jax  # noqa: E402
 from benchmarks import _common  # noqa: E402
-from exdyna_jax import _exchange, _feedback, _stats  # noqa: E402
-from exdyna_jax.demo import hlo, tasks  # noqa: E402
+from exdyna_jax import _exchange, _feedback, _stats, hlo  # noqa: E402
+from exdyna_jax.demo import tasks  # noqa: E402
 from exdyna_jax.demo.cluster_worker import (  # noqa: E402
   AXIS,
   barrier,
@@ -218,16 +218,17 @@ def calibrate(mesh, sizes=(16, 4096, 65536, 1 << 20, 4 << 20), repeats: int = 5)
       _, seconds = _common.blocked_seconds(lambda _, fn=fn, x=values: fn(x), None, repeats)
       op = {"kind": kind, "group": jax.device_count(),
             "result_bytes": size * (jax.device_count() if kind == "all-gather" else 1)}
-      rows.append({**op, **hlo.ring_cost(op), "seconds": float(np.median(seconds))})
+      cost = hlo.ring_cost(op["kind"], op["result_bytes"], op["group"])
+      rows.append({**op, **cost._asdict(), "seconds": float(np.median(seconds))})
   return rows
 
 
 def collectives_of(train_step, *args) -> list[dict]:
   """The compiled step's collectives, each with its ring bytes and messages per worker."""
   text = train_step.lower(*args).compile().as_text()
-  ops = hlo.collectives(text, jax.device_count())
-  return [{"kind": op["kind"], "result_bytes": op["result_bytes"], **hlo.ring_cost(op)}
-          for op in ops]
+  return [{"kind": op.kind, "result_bytes": op.result_bytes, "bytes": op.bytes_sent,
+           "messages": op.messages, "log_messages": op.log_messages}
+          for op in hlo.collectives(text, jax.device_count())]
 
 
 def build_step(variant, mesh, params, batch, args, network=None, replayed=None):

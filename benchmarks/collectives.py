@@ -5,7 +5,7 @@ Run: python -m benchmarks.collectives [--quick] [--traffic FILE] [--out FILE]
 1. Times ``psum`` (all-reduce), ``all_gather`` and ``ppermute``
    (collective-permute) of float32 buffers (op results from 4 KB to 64 MB) on
    ``n`` forced CPU devices, and fits ``t = alpha + ring_bytes / beta`` per
-   op kind (least squares on relative error), ``ring_bytes`` from `exdyna_jax.demo.hlo`.
+   op kind (least squares on relative error), ``ring_bytes`` from `exdyna_jax.hlo`.
 2. Replays each method's collectives, exactly as counted in the compiled step
    (``traffic.json``, ``N = 11.2M``, ``n = 8``), in one program of the same
    ops and shapes chained one after the other, times it, and compares with
@@ -25,7 +25,7 @@ import statistics
 import sys
 
 from benchmarks import _common
-from exdyna_jax.demo import hlo
+from exdyna_jax import hlo
 
 _common.force_devices(8)
 
@@ -121,9 +121,9 @@ def main():
       result = elements * 4 * (n if kind == "all-gather" else 1)
       if result > largest:
         continue
-      op = {"kind": kind, "result_bytes": result, "group": n, "pairs": n, "shapes": []}
+      op = {"kind": kind, "result_bytes": result, "group": n}
       seconds = replay([op], n, repeats)
-      ring = hlo.ring_cost(op, n)["bytes"]
+      ring = hlo.ring_cost(kind, result, n, pairs=n).bytes
       points.append((ring, seconds))
       samples.append({"kind": kind, "result_bytes": result, "ring_bytes": ring, "seconds": seconds})
       _common.log(f"[collectives {clock():4.0f}s] {kind} {result:>10} B  {seconds * 1e3:.3f} ms")

@@ -43,7 +43,7 @@ import optax
 
 import exdyna_jax
 from benchmarks import _common
-from exdyna_jax.demo import tasks
+from exdyna_jax.demo import data, tasks, trainer
 
 AXIS = "data"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -61,12 +61,33 @@ STREAM_ELEMENTS = 300_000
 
 
 def _char_task():
+  """``examples/char_transformer.py``'s model as a demo task: next byte, test perplexity."""
   path = ROOT / "examples" / "char_transformer.py"
   spec = importlib.util.spec_from_file_location("char_transformer", path)
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # its dataclasses look their module up
+  sys.path.insert(0, str(path.parent))  # its `import _common`
   spec.loader.exec_module(module)
-  return module.char_lm_task()
+  context, corpus = 64, data.char_corpus()
+  model = module.CharTransformer(context)
+  test_x, test_y = data.sample_windows(corpus.test, np.random.default_rng(1234), 64, context)
+
+  def loss_fn(params, inputs, targets):
+    logits = model.apply({"params": params}, inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+  def evaluate(params):
+    loss = loss_fn(params, test_x, test_y)
+    return {"test_perplexity": jnp.exp(loss), "test_loss": loss}
+
+  return trainer.Task(
+      name="chars",
+      init_params=lambda key: model.init(key, jnp.zeros((1, context), jnp.int32))["params"],
+      loss_fn=loss_fn,
+      evaluate=evaluate,
+      sample_batch=lambda rng, batch: data.sample_windows(corpus.train, rng, batch, context),
+      higher_is_better=False,
+  )
 
 
 def cnn_task():

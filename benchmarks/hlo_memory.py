@@ -3,7 +3,7 @@
 `memory_traffic` estimates the bytes one step reads and writes from the
 top-level ops of ``jax.jit(f).lower(...).compile().as_text()``; a fusion that
 reads an operand only through slices or gathers reads what those return, not
-the whole operand. It builds on the module parser of `exdyna_jax.demo.hlo`.
+the whole operand. It builds on the module parser of `exdyna_jax.hlo`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from exdyna_jax.demo.hlo import (
+from exdyna_jax.hlo import (
   BRANCHES,
   INSTRUCTION,
   KINDS,

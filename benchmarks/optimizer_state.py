@@ -18,7 +18,7 @@ import argparse
 import statistics
 
 from benchmarks import _common
-from exdyna_jax.demo import hlo
+from exdyna_jax import hlo
 
 INNER = ("sgd", "momentum", "adam")
 SIZES = (64, 2048, 2048, 10)

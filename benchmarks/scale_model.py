@@ -8,7 +8,7 @@ step's collectives is predicted as
 
     T = sum over the step's collectives of  messages * alpha + bytes * 8 / B
 
-with ``bytes`` and ``messages`` per worker from the ring model of `exdyna_jax.demo.hlo`.
+with ``bytes`` and ``messages`` per worker from the ring model of `exdyna_jax.hlo`.
 Each op takes the faster of two algorithms with the same bytes (for powers
 of two), as MPI and NCCL pick by message size: the ring (``2 (g-1)``
 messages for an all-reduce, ``g - 1`` for an all-gather) and the

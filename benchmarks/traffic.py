@@ -7,7 +7,7 @@ For every registered method, density and worker count ``n``, the real step
 elements per worker, state donated, as in training) is lowered and compiled
 for ``n`` forced CPU devices -- nothing runs, so ``n`` can go to 1024. Every
 collective in the compiled HLO is listed with its shapes and converted to
-bytes sent per worker and messages with the ring model of `exdyna_jax.demo.hlo` (bytes
+bytes sent per worker and messages with the ring model of `exdyna_jax.hlo` (bytes
 received are equal). Dense ring all-reduce of ``N`` float32 is the reference:
 ``2 (n-1)/n * 4N``.
 
@@ -25,7 +25,7 @@ import sys
 import time
 
 from benchmarks import _common
-from exdyna_jax.demo import hlo
+from exdyna_jax import hlo
 
 _common.force_devices(1024)
 
@@ -52,6 +52,14 @@ def _shapes(num_workers: int, num_elements: int, name: str, density: float):
   return grads, state, params, step_fn, init_fn, mesh
 
 
+def op_row(op: hlo.Collective) -> dict:
+  """One collective as ``traffic.json`` records it (``bytes`` per worker, ring model)."""
+  return {"kind": op.kind, "shapes": [f"{t}[{','.join(map(str, dims))}]" for t, dims in op.shapes],
+          "result_bytes": op.result_bytes, "group": op.group_size, "pairs": op.pairs,
+          "context": op.context, "bytes": op.bytes_sent, "messages": op.messages,
+          "log_messages": op.log_messages}
+
+
 def measure_one(name: str, density: float, num_workers: int, num_elements: int) -> dict:
   """Collectives and (ring) traffic of one compiled step."""
   grads, state, params, step_fn, _, _ = _shapes(num_workers, num_elements, name, density)
@@ -65,8 +73,8 @@ def measure_one(name: str, density: float, num_workers: int, num_elements: int) 
     "workers": num_workers,
     "elements": num_elements,
     "compile_seconds": seconds,
-    "ops": [{**op, **hlo.ring_cost(op, num_workers)} for op in ops],
-    **hlo.totals(ops, num_workers),
+    "ops": [op_row(op) for op in ops],
+    **hlo.totals(ops),
   }
   if num_workers == 8:
     memory = compiled.memory_analysis()

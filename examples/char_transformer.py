@@ -1,15 +1,14 @@
-"""A small transformer language model on a character corpus shipped with Python.
+"""A small transformer language model on text that ships with Python, trained data parallel.
 
-The corpus is the text of Python's own help topics (``pydoc_data``), so
-nothing is downloaded. The model is a 2-layer decoder-only transformer (flax
-linen), trained with ``dense`` and with ExDyna on one worker per device (8
-simulated on CPU) by the demo's harness (`exdyna_jax.demo.trainer`: an
-explicit ``jax.shard_map`` step on local gradients). Prints the comparison table (test perplexity,
-density, bytes per worker per step from the compiled HLO, step time) and
-writes per-step metrics and plots.
-
-Plug in your own model the same way: build a `Task` (init, loss, evaluate,
-batches) and call `train_method` for each method.
+The corpus is the text of Python's own help topics (``pydoc_data``), read as
+bytes, so nothing is downloaded. The model is a decoder-only transformer
+(flax linen), trained with AdamW on one worker per device (8 simulated on
+CPU) in a ``data_parallel`` step, once with ``dense`` and once with a
+sparsifier: ``exdyna_jax.sparse_adamw(sparsifier, lr)`` is the AdamW to use
+after a sparsifier (each worker's own second moment, the residual carrying
+the momentum), with each worker's gradient clipped first. Prints test
+perplexity, the density sent and the bytes each worker sends per step,
+counted from the compiled program (`exdyna_jax.hlo`).
 
 Run: python examples/char_transformer.py [--steps 300] [--density 0.01] [--method exdyna]
 """
@@ -19,6 +18,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -26,8 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from exdyna_jax.demo import data, report
-from exdyna_jax.demo.trainer import MethodRun, Task, TrainConfig, make_mesh, train_method
+import exdyna_jax
+from exdyna_jax import hlo
+
+import _common
 
 
 class DecoderBlock(nn.Module):
@@ -39,15 +41,13 @@ class DecoderBlock(nn.Module):
   def __call__(self, x):
     mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
     x = x + nn.MultiHeadDotProductAttention(num_heads=self.num_heads)(nn.LayerNorm()(x), mask=mask)
-    width = x.shape[-1]
-    hidden = nn.gelu(nn.Dense(4 * width)(nn.LayerNorm()(x)))
-    return x + nn.Dense(width)(hidden)
+    hidden = nn.gelu(nn.Dense(4 * x.shape[-1])(nn.LayerNorm()(x)))
+    return x + nn.Dense(x.shape[-1])(hidden)
 
 
 class CharTransformer(nn.Module):
-  """Token and position embeddings, ``num_layers`` blocks, tied output."""
+  """Byte embeddings and learned positions, ``num_layers`` blocks, tied output."""
 
-  vocab_size: int
   context: int
   width: int = 64
   num_layers: int = 2
@@ -55,89 +55,94 @@ class CharTransformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens):
-    embed = nn.Embed(self.vocab_size, self.width)
-    positions = self.param("positions", nn.initializers.normal(0.02),
-                           (self.context, self.width))
+    embed = nn.Embed(128, self.width)  # ASCII
+    positions = self.param("positions", nn.initializers.normal(0.02), (self.context, self.width))
     x = embed(tokens) + positions[: tokens.shape[1]]
     for _ in range(self.num_layers):
       x = DecoderBlock(self.num_heads)(x)
     return embed.attend(nn.LayerNorm()(x))
 
 
-def char_lm_task(context: int = 64, width: int = 64, num_layers: int = 2,
-                 test_windows: int = 64) -> Task:
-  """Next-character prediction on the stdlib corpus, scored by test perplexity."""
-  corpus = data.char_corpus()
-  model = CharTransformer(corpus.vocab_size, context, width=width, num_layers=num_layers)
-  test_x, test_y = data.sample_windows(corpus.test, np.random.default_rng(1234),
-                                       test_windows, context)
+def byte_corpus(max_chars: int = 400_000) -> tuple[np.ndarray, np.ndarray]:
+  """Python's help topics as ASCII token ids: train and test (the last 10 %)."""
+  from pydoc_data.topics import topics
+
+  text = "\n\n".join(topics[name] for name in sorted(topics))[:max_chars]
+  tokens = np.frombuffer(text.encode("ascii", "replace"), np.uint8)
+  cut = int(0.9 * len(tokens))
+  return tokens[:cut], tokens[cut:]
+
+
+def windows(tokens: np.ndarray, rng: np.random.Generator, count: int, context: int):
+  """``count`` random windows and their next-byte targets, int32 ``[count, context]``."""
+  starts = rng.integers(0, len(tokens) - context - 1, count)
+  chunk = tokens[starts[:, None] + np.arange(context + 1)].astype(np.int32)
+  return chunk[:, :-1], chunk[:, 1:]
+
+
+def train(method: str, args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
+  """Trains a fresh model with ``method``; returns its row of the table."""
+  train_tokens, test_tokens = byte_corpus()
+  model = CharTransformer(args.context, args.width, args.layers)
+  params = model.init(jax.random.key(args.seed), jnp.zeros((1, args.context), jnp.int32))["params"]
 
   def loss_fn(params, inputs, targets):
     logits = model.apply({"params": params}, inputs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-  def evaluate(params):
-    loss = loss_fn(params, test_x, test_y)
-    return {"test_perplexity": jnp.exp(loss), "test_loss": loss}
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, args.learning_rate, max(1, args.steps // 10), args.steps)
+  sparsifier = exdyna_jax.get_sparsifier(method, **({} if method == "dense" else {
+      "density": args.density}))
+  tx = optax.chain(optax.clip_by_global_norm(1.0), exdyna_jax.sparse_adamw(sparsifier, schedule))
+  dp = exdyna_jax.data_parallel(tx, mesh)
 
-  return Task(
-      name="chars",
-      init_params=lambda key: model.init(key, jnp.zeros((1, context), jnp.int32))["params"],
-      loss_fn=loss_fn,
-      evaluate=evaluate,
-      sample_batch=lambda rng, batch: data.sample_windows(corpus.train, rng, batch, context),
-      higher_is_better=False,
-  )
+  @dp.step  # every worker: its shard of the batch, its own gradient and optimizer state
+  def train_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  rng = np.random.default_rng(args.seed)
+  test_batch = windows(test_tokens, np.random.default_rng(1234), 64, args.context)
+  opt_state = dp.init(params)
+  batch = windows(train_tokens, rng, mesh.size * args.batch_per_worker, args.context)
+  hlo_bytes = hlo.bytes_per_worker(
+      train_step.lower(params, opt_state, batch).compile().as_text(), mesh.size)
+  records = []
+  for step in range(1, args.steps + 1):
+    params, opt_state, losses = train_step(params, opt_state, batch)
+    stats = dp.stats(opt_state)
+    records.append({"step": step, "loss": float(np.mean(losses)),
+                    "sent_over_k": float(stats.transmitted / stats.target)})
+    batch = windows(train_tokens, rng, mesh.size * args.batch_per_worker, args.context)
+  _common.write_json_lines(args.out / f"metrics-{method}.jsonl", records)
+  test_loss = float(jax.jit(loss_fn)(params, *test_batch))
+  return {
+      "method": method,
+      "test_perplexity": f"{np.exp(test_loss):.3f}",
+      "last_loss": f"{np.mean([r['loss'] for r in records[-10:]]):.3f}",
+      "sent/k": f"{np.mean([r['sent_over_k'] for r in records]):.3f}",
+      "bytes/worker/step (HLO)": hlo_bytes,
+      "(stats)": int(stats.bytes_sent),
+  }
 
 
-def main(argv: Sequence[str] | None = None) -> list[MethodRun]:
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--density", type=float, default=0.01)
   parser.add_argument("--method", default="exdyna", help="compared with dense")
   parser.add_argument("--batch-per-worker", type=int, default=8)
-  parser.add_argument("--context", type=int, default=64, help="characters per window")
+  parser.add_argument("--context", type=int, default=64, help="bytes per window")
   parser.add_argument("--width", type=int, default=64, help="model width")
   parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
-  parser.add_argument("--learning-rate", type=float, default=0.3)
-  parser.add_argument("--warmup-steps", type=int, default=20)
-  parser.add_argument("--density-warmup", type=int, default=0, metavar="STEPS",
-                      help="DGC-style density warm-up, STEPS per level (0: none)")
-  parser.add_argument("--value-dtype", default="float32",
-                      choices=("float32", "bfloat16", "float16"))
-  parser.add_argument("--eval-every", type=int, default=50)
+  parser.add_argument("--learning-rate", type=float, default=3e-3, help="peak, warm-up cosine")
+  parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/char_transformer"))
-  parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
-
-  args.out.mkdir(parents=True, exist_ok=True)
-  config = TrainConfig(
-      steps=args.steps, density=args.density, batch_per_worker=args.batch_per_worker,
-      learning_rate=args.learning_rate, momentum=0.0, warmup_steps=args.warmup_steps,
-      density_warmup=args.density_warmup, value_dtype=args.value_dtype,
-      eval_every=args.eval_every,
-  )
-  mesh = make_mesh(jax.device_count())  # 8 forced CPU devices, or one worker per GPU
-  task = char_lm_task(args.context, args.width, args.layers)
-  runs = []
-  for method in ("dense", args.method):
-    writer = report.JsonLinesWriter(args.out / f"metrics-{method}.jsonl")
-    progress = None
-    if not args.no_progress:
-      from tqdm import tqdm
-
-      def progress(steps, name, total):
-        return tqdm(steps, desc=name, total=total, unit="step")
-
-    runs.append(train_method(method, task, config, mesh, progress=progress,
-                             on_record=writer.write))
-    writer.close()
-  summaries = [report.summarize(run, runs[0].hlo_bytes) for run in runs]
-  table = report.format_table(summaries, "test_perplexity")
-  print(f"char transformer, {runs[0].num_elements:,} parameters, {mesh.size} workers\n{table}")
-  (args.out / "table.txt").write_text(table + "\n")
-  report.plot_runs(runs, "test_perplexity", args.out)
-  return runs
+  mesh = _common.worker_mesh()  # 8 forced CPU devices, or one worker per GPU
+  return _common.compare(lambda method: train(method, args, mesh), args.method, args.out)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ import optax
 from flax import nnx
 
 import exdyna_jax  # data parallel
-from exdyna_jax.demo import data, report
+
+import _common
 
 
 class CNN(nnx.Module):
@@ -94,7 +95,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     loss, logits = loss_fn(model, rngs, batch)
     metrics.update(loss=loss, logits=logits, labels=batch["label"])
 
-  train_ds, test_ds = data.digit_images()
+  train_ds, test_ds = _common.digit_images()
   order = np.random.default_rng(args.seed)
   history = {}
   for step in range(1, args.steps + 1):
@@ -117,7 +118,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-  parser = report.port_parser(__doc__.split("\n\n")[0])
+  parser = _common.port_parser(__doc__.split("\n\n")[0])
   parser.add_argument("--density", type=float, default=0.01)  # data parallel: 1 is dense
   return train(parser.parse_args(argv))
 

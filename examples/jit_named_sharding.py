@@ -24,22 +24,24 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import exdyna_jax
-from exdyna_jax.demo import data, report, tasks, traffic
+from exdyna_jax import hlo
+
+import _common
 
 AXIS = "data"
 
 
 def loss_fn(params, batch):
   x, y = batch
-  return optax.softmax_cross_entropy_with_integer_labels(tasks.mlp_logits(params, x), y).mean()
+  return optax.softmax_cross_entropy_with_integer_labels(_common.mlp_logits(params, x), y).mean()
 
 
 def train(method: str, args: argparse.Namespace, mesh: jax.sharding.Mesh,
-          split: data.Split, out_dir: pathlib.Path) -> dict[str, Any]:
+          split: _common.Split, out_dir: pathlib.Path) -> dict[str, Any]:
   """Trains a fresh MLP with ``method``; returns its row of the table."""
   replicated = NamedSharding(mesh, PartitionSpec())
   batch_sharding = NamedSharding(mesh, PartitionSpec(AXIS))
-  params = jax.device_put(tasks.init_mlp(jax.random.key(args.seed), (64, 256, 256, 10)),
+  params = jax.device_put(_common.init_mlp(jax.random.key(args.seed), (64, 256, 256, 10)),
                           replicated)
   options = {} if method == "dense" else {"density": args.density}
   tx = optax.chain(
@@ -63,26 +65,25 @@ def train(method: str, args: argparse.Namespace, mesh: jax.sharding.Mesh,
     return jax.device_put((split.x_train[idx], split.y_train[idx]), batch_sharding)
 
   compiled = train_step.lower(params, opt_state, next_batch()).compile()
-  hlo_bytes = traffic.bytes_per_worker(compiled.as_text(), mesh.size)
+  hlo_bytes = hlo.bytes_per_worker(compiled.as_text(), mesh.size)
   rng = np.random.default_rng(args.seed)
 
-  writer = report.JsonLinesWriter(out_dir / f"metrics-{method}.jsonl")
-  losses = []
+  records, losses = [], []
   for t in range(1, args.steps + 1):
     params, opt_state, loss = compiled(params, opt_state, next_batch())
     stats = exdyna_jax.get_stats(opt_state)
     losses.append(float(loss))
-    writer.write({"step": t, "loss": losses[-1], "transmitted": int(stats.transmitted[0]),
+    records.append({"step": t, "loss": losses[-1], "transmitted": int(stats.transmitted[0]),
                   "bytes_sent": int(stats.bytes_sent[0])})
-  writer.close()
+  _common.write_json_lines(out_dir / f"metrics-{method}.jsonl", records)
 
   accuracy = float(np.mean(
-      np.argmax(tasks.mlp_logits(params, split.x_test), -1) == split.y_test))
-  return report.example_row(method, accuracy, losses, hlo_bytes, int(stats.bytes_sent[0]))
+      np.argmax(_common.mlp_logits(params, split.x_test), -1) == split.y_test))
+  return _common.example_row(method, accuracy, losses, hlo_bytes, int(stats.bytes_sent[0]))
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-  return report.example_main(__doc__.split("\n\n")[0], "runs/jit_named_sharding", train, argv)
+  return _common.digits_example(__doc__.split("\n\n")[0], "runs/jit_named_sharding", train, argv)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ import optax
 from flax.training import train_state
 
 import exdyna_jax  # data parallel
-from exdyna_jax.demo import data, report
+
+import _common
 
 
 class CNN(nn.Module):
@@ -67,7 +68,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
   mesh = jax.make_mesh((jax.device_count(),), ("data",),  # data parallel
                        axis_types=(jax.sharding.AxisType.Auto,))  # data parallel
   model = CNN()
-  train_ds, test_ds = data.digit_images()
+  train_ds, test_ds = _common.digit_images()
   variables = model.init(jax.random.key(0), train_ds["image"][:1], train=False)
   tx = exdyna_jax.sparse_adamw(exdyna_jax.exdyna(args.density),  # data parallel
                                args.learning_rate)  # data parallel: the residual is the momentum
@@ -118,7 +119,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-  parser = report.port_parser(__doc__.split("\n\n")[0])
+  parser = _common.port_parser(__doc__.split("\n\n")[0])
   parser.add_argument("--density", type=float, default=0.01)  # data parallel: 1 is dense
   return train(parser.parse_args(argv))
 

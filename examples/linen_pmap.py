@@ -26,7 +26,9 @@ import optax
 from flax.training.train_state import TrainState
 
 import exdyna_jax
-from exdyna_jax.demo import data, report, traffic
+from exdyna_jax import hlo
+
+import _common
 
 AXIS = "data"
 
@@ -41,7 +43,7 @@ class MLP(nn.Module):
     return nn.Dense(10)(x)
 
 
-def train(method: str, args: argparse.Namespace, split: data.Split,
+def train(method: str, args: argparse.Namespace, split: _common.Split,
           out_dir: pathlib.Path) -> dict[str, Any]:
   """Trains a fresh model with ``method``; returns its row of the table."""
   num_workers = jax.device_count()  # 8 forced CPU devices, or one worker per GPU
@@ -74,32 +76,31 @@ def train(method: str, args: argparse.Namespace, split: data.Split,
     idx = rng.integers(0, len(split.x_train), (num_workers, args.batch_per_worker))
     return split.x_train[idx], split.y_train[idx]
 
-  hlo_bytes = traffic.bytes_per_worker(
+  hlo_bytes = hlo.bytes_per_worker(
       step.lower(state, *next_batch()).compile().as_text(), num_workers)
   rng = np.random.default_rng(args.seed)
 
-  writer = report.JsonLinesWriter(out_dir / f"metrics-{method}.jsonl")
-  losses = []
+  records, losses = [], []
   for t in range(1, args.steps + 1):
     state, worker_losses = step(state, *next_batch())
     stats = exdyna_jax.get_stats(state.opt_state)
     losses.append(float(jnp.mean(worker_losses)))
-    writer.write({"step": t, "loss": losses[-1], "transmitted": int(stats.transmitted[0]),
+    records.append({"step": t, "loss": losses[-1], "transmitted": int(stats.transmitted[0]),
                   "bytes_sent": int(stats.bytes_sent[0])})
-  writer.close()
+  _common.write_json_lines(out_dir / f"metrics-{method}.jsonl", records)
 
   params = jax.tree.map(lambda p: p[0], state.params)  # identical on every worker
   logits = model.apply({"params": params}, split.x_test)
   accuracy = float(np.mean(np.argmax(logits, -1) == split.y_test))
-  return report.example_row(method, accuracy, losses, hlo_bytes, int(stats.bytes_sent[0]))
+  return _common.example_row(method, accuracy, losses, hlo_bytes, int(stats.bytes_sent[0]))
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-  parser = report.example_parser(__doc__.split("\n\n")[0], "runs/linen_pmap")
+  parser = _common.example_parser(__doc__.split("\n\n")[0], "runs/linen_pmap")
   args = parser.parse_args(argv)
 
-  split = data.load_digits_split()
-  return report.compare(lambda method: train(method, args, split, args.out), args.method, args.out)
+  split = _common.load_digits_split()
+  return _common.compare(lambda method: train(method, args, split, args.out), args.method, args.out)
 
 
 if __name__ == "__main__":

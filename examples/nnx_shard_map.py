@@ -34,7 +34,9 @@ import optax
 from flax import nnx
 
 import exdyna_jax
-from exdyna_jax.demo import data, report, traffic
+from exdyna_jax import hlo
+
+import _common
 
 AXIS = "data"
 
@@ -58,7 +60,7 @@ def loss_fn(model: MLP, x: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def train(method: str, args: argparse.Namespace, mesh: jax.sharding.Mesh,
-          split: data.Split, out_dir: pathlib.Path) -> dict[str, Any]:
+          split: _common.Split, out_dir: pathlib.Path) -> dict[str, Any]:
   """Trains a fresh model with ``method``; returns its row of the table."""
   model = MLP(nnx.Rngs(args.seed))
   options = {} if method == "dense" else {"density": args.density}
@@ -78,26 +80,25 @@ def train(method: str, args: argparse.Namespace, mesh: jax.sharding.Mesh,
   rng = np.random.default_rng(args.seed)
   global_batch = mesh.size * args.batch_per_worker
   first = rng.integers(0, len(split.x_train), global_batch)
-  hlo = train_step.lower(model, optimizer, split.x_train[first], split.y_train[first])
-  hlo_bytes = traffic.bytes_per_worker(hlo.compile().as_text(), mesh.size)
+  lowered = train_step.lower(model, optimizer, split.x_train[first], split.y_train[first])
+  hlo_bytes = hlo.bytes_per_worker(lowered.compile().as_text(), mesh.size)
 
-  writer = report.JsonLinesWriter(out_dir / f"metrics-{method}.jsonl")
-  losses = []
+  records, losses = [], []
   for t in range(1, args.steps + 1):
     idx = rng.integers(0, len(split.x_train), global_batch)
     worker_losses = train_step(model, optimizer, split.x_train[idx], split.y_train[idx])
     stats = dp.stats(optimizer.opt_state)
     losses.append(float(np.mean(worker_losses)))
-    writer.write({"step": t, "loss": losses[-1], "transmitted": int(stats.transmitted),
+    records.append({"step": t, "loss": losses[-1], "transmitted": int(stats.transmitted),
                   "threshold": float(stats.threshold), "bytes_sent": int(stats.bytes_sent)})
-  writer.close()
+  _common.write_json_lines(out_dir / f"metrics-{method}.jsonl", records)
 
   accuracy = float(np.mean(np.argmax(model(split.x_test), -1) == split.y_test))
-  return report.example_row(method, accuracy, losses, hlo_bytes, int(stats.bytes_sent))
+  return _common.example_row(method, accuracy, losses, hlo_bytes, int(stats.bytes_sent))
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-  return report.example_main(__doc__.split("\n\n")[0], "runs/nnx_shard_map", train, argv)
+  return _common.digits_example(__doc__.split("\n\n")[0], "runs/nnx_shard_map", train, argv)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ class SparsifierStats(NamedTuple):
     bytes_sent: int32 bytes this worker sent in the last step's collectives,
       as ring algorithms move them (static: the buffers have fixed size),
       control counts included; it equals what the compiled program's
-      collectives move (see `exdyna_jax.demo.traffic`). It saturates at
+      collectives move (see `exdyna_jax.hlo`). It saturates at
       ``2**31 - 1``: a step that moves more (a dense all-reduce of 307M
       float32 parameters or more on 8 workers) reads ``2**31 - 1``;
       ``bytes_total`` counts it exactly.

@@ -16,7 +16,7 @@ import pytest
 
 import exdyna_jax
 from benchmarks import cluster_worker
-from exdyna_jax.demo import hlo
+from exdyna_jax import hlo
 from exdyna_jax.demo.cluster_worker import AXIS
 
 WORKERS = 4
@@ -29,8 +29,9 @@ def worker_mesh() -> jax.sharding.Mesh:
   return jax.make_mesh((WORKERS,), (AXIS,), devices=jax.devices()[:WORKERS])
 
 
-def kinds_and_sizes(ops: list[dict]) -> list[tuple[str, int]]:
-  return [(op["kind"], op["result_bytes"]) for op in ops]
+def kinds_and_sizes(ops: list) -> list[tuple[str, int]]:
+  return [(op["kind"], op["result_bytes"]) if isinstance(op, dict) else (op.kind, op.result_bytes)
+          for op in ops]
 
 
 def test_rounds_only_runs_the_collectives_given_and_passes_the_gradient_through():

@@ -26,8 +26,8 @@ from exdyna_jax import (
   _exdyna_step,
   _network,
   _threshold,
+  hlo,
 )
-from exdyna_jax.demo import traffic
 from tests import harness
 from tests.test_network import GLOO_1GBIT, one_step_program
 
@@ -214,10 +214,10 @@ def test_the_compiled_step_has_one_gather_fewer_and_counts_its_bytes():
   gather of a step that selects again is in the program but not a step's."""
   num_workers, num_elements = 4, 40_000
   tx = exdyna_jax.exdyna(0.01, network=GLOO_1GBIT)
-  hlo = one_step_program(tx, num_workers, num_elements)
-  assert [c.kind for c in traffic.collectives(hlo, num_workers)] == [
+  program = one_step_program(tx, num_workers, num_elements)
+  assert [c.kind for c in hlo.collectives(program, num_workers)] == [
       "all-reduce", "all-gather", "all-gather"]
-  assert hlo.count("all-gather-start") + hlo.count(" all-gather(") >= 3
+  assert program.count("all-gather-start") + program.count(" all-gather(") >= 3
   grads = jnp.ones((num_workers, 1, num_elements))
   _, states, _ = harness.run_shard_map(tx, jnp.zeros(num_elements), grads)
-  assert traffic.bytes_per_worker(hlo, num_workers) == int(states.stats.bytes_sent[0, 0])
+  assert hlo.bytes_per_worker(program, num_workers) == int(states.stats.bytes_sent[0, 0])

@@ -40,7 +40,7 @@ import pytest
 from jax import P
 
 import exdyna_jax
-from exdyna_jax.demo import hlo
+from exdyna_jax import hlo
 from tests.harness import AXIS, _scan_steps, run_shard_map, to_numpy, unflatten_like
 from tests.models import peers_model
 from tests.models.exdyna_model import ExDynaModel
@@ -464,7 +464,7 @@ def axis_bytes(case: str, mesh_name: str, mode: str) -> dict[str, float]:
   """Bytes one device sends per step over each mesh axis, from the compiled HLO.
 
   ExDyna's defaults (1024 blocks) at ``d = 0.001`` on ``N = 2**20``; every
-  op's ring cost (`exdyna_jax.demo.hlo.ring_cost`) is attributed to the axis its
+  op's ring cost (`exdyna_jax.hlo.ring_cost`) is attributed to the axis its
   group size belongs to (the meshes are not square).
   """
   num_nodes, num_local = MESHES[mesh_name]
@@ -493,8 +493,8 @@ def axis_bytes(case: str, mesh_name: str, mode: str) -> dict[str, float]:
   text = fn.lower(abstract).compile().as_text()
   out = {"node": 0.0, "local": 0.0}
   for op in hlo.collectives(text, num_nodes * num_local):
-    assert op["kind"] != "collective-permute" and op["group"] in (num_nodes, num_local), op
-    out["node" if op["group"] == num_nodes else "local"] += hlo.ring_cost(op)["bytes"]
+    assert op.kind != "collective-permute" and op.group_size in (num_nodes, num_local), op
+    out["node" if op.group_size == num_nodes else "local"] += op.bytes_sent
   return out
 
 

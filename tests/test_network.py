@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 
 import exdyna_jax
-from exdyna_jax import _network, _options, _spill
-from exdyna_jax.demo import traffic
+from exdyna_jax import _network, _options, _spill, hlo
 from tests import harness
 
 GLOO_1GBIT = exdyna_jax.Network(message_seconds=1e-3, bytes_per_second=1e9 / 8)
@@ -104,10 +103,10 @@ def test_gathered_values_give_the_all_reduced_run_and_count_their_bytes(value_dt
     # buffers: tests/test_early_selection.py), the one all-reduce left the
     # guard's flags (a skipped step's count of bad elements is not a step's
     # traffic).
-    hlo = one_step_program(tx, num_workers, num_elements)
-    found = traffic.collectives(hlo, num_workers)
+    program = one_step_program(tx, num_workers, num_elements)
+    found = hlo.collectives(program, num_workers)
     assert [c.kind for c in found] == ["all-reduce"] + ["all-gather"] * 2
-    assert traffic.bytes_per_worker(hlo, num_workers) == gathered_stats.bytes_sent[0, 0]
+    assert hlo.bytes_per_worker(program, num_workers) == gathered_stats.bytes_sent[0, 0]
   else:
     # Summed in bfloat16 in another order: the first step within 3 of its ulps.
     first = np.abs(reduced[:, 0]).max()
@@ -146,8 +145,8 @@ def test_the_demo_passes_its_network_to_exdyna_only():
   from exdyna_jax.demo import trainer
 
   pair = [1e-3, 1.25e8]
-  hlo = one_step_program(trainer.sparsifier_for("exdyna", 0.01, network=pair), 4, 40_000)
-  assert [c.kind for c in traffic.collectives(hlo, 4)] == ["all-reduce"] + ["all-gather"] * 2
+  program = one_step_program(trainer.sparsifier_for("exdyna", 0.01, network=pair), 4, 40_000)
+  assert [c.kind for c in hlo.collectives(program, 4)] == ["all-reduce"] + ["all-gather"] * 2
   trainer.sparsifier_for("topk", 0.01, network=pair)
 
 

@@ -75,6 +75,16 @@ def test_the_demo_uses_the_public_api_only():
   assert {name: found for name, found in private.items() if found} == {}
 
 
+def test_the_examples_use_the_public_api_and_the_hlo_reader_nothing_of_the_library():
+  """Examples are what a user writes: no private module, no demo (their shared helpers are
+  ``examples/_common.py``). The HLO reader stands alone, so the tools and tests that check
+  the library's byte counts against it do not check the library against itself."""
+  found = {path.name: sorted(n for n in package_imports(path) if n.startswith("_") or n == "demo")
+           for path in (ROOT / "examples").glob("*.py")}
+  assert {name: names for name, names in found.items() if names} == {}
+  assert package_imports(PACKAGE / "hlo.py") == set()
+
+
 def test_no_side_channels_in_the_library():
   """Values, not registries: no context variables, no weak-key maps keyed on objects, and
   no module-level dict or set that code could fill at run time (tables are read-only

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import statistics
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TextIO
 
-import jax
 import numpy as np
 
-from exdyna_jax.demo import data, trainer
 from exdyna_jax.demo.trainer import MethodRun
 
 
@@ -287,69 +284,3 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
   header = list(rows[0])
   return align(header, [[row[key] for key in header] for row in rows])
 
-
-def example_parser(description: str, default_out: str) -> argparse.ArgumentParser:
-  """The command line every digits example shares (dense vs one method)."""
-  parser = argparse.ArgumentParser(description=description)
-  parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--density", type=float, default=0.01)
-  parser.add_argument("--method", default="exdyna", help="compared with dense")
-  parser.add_argument("--batch-per-worker", type=int, default=32)
-  parser.add_argument("--learning-rate", type=float, default=0.1)
-  parser.add_argument("--momentum", type=float, default=0.0)
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(default_out))
-  return parser
-
-
-def example_main(description: str, default_out: str, train: Callable[..., dict[str, Any]],
-                 argv: Sequence[str] | None) -> list[dict[str, Any]]:
-  """The ``main`` of the digits examples: their command line, dense vs one method.
-
-  One worker per device: the examples force 8 CPU devices, a GPU machine
-  gives one worker per GPU.
-
-  ``train(method, args, mesh, split, out_dir)`` trains one method on the
-  digits and returns its `example_row`.
-  """
-  args = example_parser(description, default_out).parse_args(argv)
-  mesh, split = trainer.make_mesh(jax.device_count()), data.load_digits_split()
-  return compare(lambda method: train(method, args, mesh, split, args.out), args.method, args.out)
-
-
-def port_parser(description: str) -> argparse.ArgumentParser:
-  """The command line of the Flax MNIST ports, as Flax's single-device script has it."""
-  parser = argparse.ArgumentParser(description=description)
-  parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--eval-every", type=int, default=100)
-  parser.add_argument("--batch-size", type=int, default=64, help="global, over all workers")
-  parser.add_argument("--learning-rate", type=float, default=0.005)
-  parser.add_argument("--momentum", type=float, default=0.9)
-  parser.add_argument("--seed", type=int, default=0)
-  return parser
-
-
-def example_row(
-    method: str, accuracy: float, losses: Sequence[float], hlo_bytes: int, stats_bytes: int
-) -> dict[str, Any]:
-  """One row of an example's comparison table."""
-  return {
-      "method": method,
-      "test_accuracy": f"{accuracy:.2%}",
-      "first_loss": f"{losses[0]:.3f}",
-      "last_loss": f"{np.mean(losses[-10:]):.3f}",
-      "bytes/worker/step (HLO)": hlo_bytes,
-      "(stats)": stats_bytes,
-  }
-
-
-def compare(
-    train: Callable[[str], dict[str, Any]], method: str, out: pathlib.Path
-) -> list[dict[str, Any]]:
-  """Trains ``dense`` and ``method``, prints the table and writes it to ``out``."""
-  out.mkdir(parents=True, exist_ok=True)
-  rows = [train(name) for name in ("dense", method)]
-  table = format_rows(rows)
-  print(table)
-  (out / "table.txt").write_text(table + "\n")
-  return rows

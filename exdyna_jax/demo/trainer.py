@@ -6,7 +6,7 @@ donated), every worker differentiates the loss on its own shard of the
 batch, the sparsifier exchanges what it selected, and the optimizer that
 follows applies the aggregated update, identical on every worker. The
 per-worker losses leave the step unreduced, so the only collectives in the
-compiled step are the method's own: `traffic.bytes_per_worker` of its HLO is
+compiled step are the method's own: `exdyna_jax.hlo.bytes_per_worker` of its HLO is
 exactly what the method exchanges. The stats (``stats.target`` is the
 step's ``k``) are read with ``dp.stats`` after the timed step.
 """
@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 import exdyna_jax
-from exdyna_jax.demo import traffic
+from exdyna_jax import hlo
 
 AXIS = "data"
 
@@ -203,7 +203,7 @@ class CompiledMethod(NamedTuple):
   opt_state: Any
   step: Callable[..., tuple[Any, Any, jax.Array]]
   hlo_bytes: int
-  collectives: list[traffic.Collective]
+  collectives: list[hlo.Collective]
 
 
 def compile_method(
@@ -232,8 +232,9 @@ def compile_method(
 
   opt_state = dp.init(params)
   lowered = train_step.lower(params, opt_state, example_batch)  # lowering donates nothing
-  found = traffic.collectives(lowered.compile().as_text(), mesh.size)
-  return CompiledMethod(dp, opt_state, train_step, sum(c.bytes_sent for c in found), found)
+  found = hlo.collectives(lowered.compile().as_text(), mesh.size)
+  return CompiledMethod(dp, opt_state, train_step, round(sum(c.bytes_sent for c in found)),
+                        found)
 
 
 @dataclasses.dataclass
@@ -257,7 +258,7 @@ class MethodRun:
   records: list[dict[str, Any]]
   final_metrics: dict[str, float]
   hlo_bytes: int
-  collectives: list[traffic.Collective]
+  collectives: list[hlo.Collective]
 
 
 def _record(step, seconds, losses, stats, num_elements, exchanged) -> dict[str, Any]:
