@@ -137,9 +137,9 @@ def _patched(patch: str | None):
   saved = {}
   if patch == "no_guard":
 
-    def no_skip(screened, step, *unused_args, **unused_kwargs):
-      output, stats = step()
-      return output, stats._replace(nonfinite=screened.nonfinite)
+    def no_skip(screened, step, args, *unused_args, **unused_kwargs):
+      output, state = step(*args)
+      return output, state._replace(stats=state.stats._replace(nonfinite=screened.nonfinite))
 
     def no_screen(values, stats, num_workers, axis_name, **unused_kwargs):
       # An opaque zero: a constant would let XLA fold the step's select away.

@@ -93,9 +93,7 @@ def dense(*, axis_name: str = "data") -> _collectives.Sparsifier:
         ),
         target=layout.num_elements,
     )
-    mean, stats = _guard.skip_if_nonfinite(
-        screened, lambda: (mean, stats), state.stats, num_workers, axis_name
-    )
-    return mean, state._replace(stats=stats)
+    return _guard.skip_if_nonfinite(
+        screened, lambda: (mean, state._replace(stats=stats)), (), state, num_workers, axis_name)
 
   return _collectives.Sparsifier(init_fn, update_fn, axis_name)

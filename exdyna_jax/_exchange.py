@@ -198,10 +198,14 @@ def aggregate_at(
     axis_name: str,
     value_dtype: jnp.dtype = jnp.float32,
     *,
+    slots: int | None = None,
     gather: bool = False,
 ) -> SparseUpdate:
   """Mean of all workers' accumulated gradients at ``indices`` (one ``psum``).
 
+  With ``slots`` the indices (every worker's gathered buffers) are first
+  packed into that many (`compact`), so the values' ``psum`` -- two thirds
+  of an exchange's bytes -- carries the indices chosen, not the padding.
   With ``gather`` the values are all-gathered instead and every worker sums
   them itself, in worker order: the same sum (up to the order of its
   additions) in half the messages for ``n / 2`` times the bytes
@@ -220,26 +224,28 @@ def aggregate_at(
       ``N`` is ignored and duplicates are harmless.
     axis_name: the data-parallel axis.
     value_dtype: the dtype the values are summed in (float32: exact as before).
+    slots: static number of values summed (`compact`), or None for every index.
     gather: sum an all-gather on each worker instead of a ``psum``.
 
   Returns:
-    The `SparseUpdate` at the flattened ``indices``.
+    The `SparseUpdate` at the flattened (packed) ``indices``.
   """
   num_workers = _collectives.axis_size(axis_name)
   flat_indices = indices.reshape(-1)
+  if slots is not None:
+    flat_indices = compact(indices, slots, accumulated.shape[0])
   values = accumulated.at[flat_indices].get(mode="fill", fill_value=0)
-
-  def total(x):
-    if gather:
-      return jnp.sum(_collectives.all_gather(x, axis_name), axis=0, dtype=x.dtype)
-    return jax.lax.psum(x, axis_name)
-
-  if jnp.dtype(value_dtype) == values.dtype:
-    return SparseUpdate(flat_indices, total(values) / num_workers)
+  narrow = jnp.dtype(value_dtype) != values.dtype
   limit = float(jnp.finfo(value_dtype).max) / num_workers
-  sent = jnp.clip(values / num_workers, -limit, limit).astype(value_dtype)
-  mean = total(sent).astype(values.dtype)
-  return SparseUpdate(flat_indices, mean, kept=values - num_workers * sent.astype(values.dtype))
+  sent = jnp.clip(values / num_workers, -limit, limit).astype(value_dtype) if narrow else values
+  if gather:
+    total = jnp.sum(_collectives.all_gather(sent, axis_name), axis=0, dtype=sent.dtype)
+  else:
+    total = jax.lax.psum(sent, axis_name)
+  if not narrow:
+    return SparseUpdate(flat_indices, total / num_workers)
+  kept = values - num_workers * sent.astype(values.dtype)
+  return SparseUpdate(flat_indices, total.astype(values.dtype), kept=kept)
 
 
 def compact(gathered_indices: jax.Array, slots: int, num_elements: int) -> jax.Array:
@@ -276,10 +282,8 @@ def exchange(
 ) -> Exchanged:
   """All-gathers index buffers (and side information) and sums the values there.
 
-  `gather_indices` followed by `aggregate_at` over the gathered indices. With
-  ``value_slots`` the gathered indices are first packed into that many slots
-  (`compact`), so the value ``psum`` -- two thirds of the bytes -- carries
-  the indices actually chosen, not every worker's padding.
+  `gather_indices` followed by `aggregate_at` over the gathered indices
+  (packed into ``value_slots``, if given).
 
   Args:
     accumulated: float32 ``[N]`` this worker's accumulated gradient.
@@ -304,8 +308,8 @@ def exchange(
   gathered_indices, gathered_info = gather_indices(
       indices, side_info, axis_name, spill=spill, num_elements=accumulated.shape[0]
   )
-  sparse = sum_at_gathered(accumulated, gathered_indices, axis_name, value_slots=value_slots,
-                           value_dtype=value_dtype, gather_values=gather_values)
+  sparse = aggregate_at(accumulated, gathered_indices, axis_name, value_dtype, slots=value_slots,
+                        gather=gather_values)
   bytes_sent = exchange_bytes(
       gathered_indices.shape[0], indices.shape[0], side_info.shape[0], value_slots,
       jnp.dtype(value_dtype).itemsize, spill, gather_values,
@@ -322,34 +326,6 @@ def check_gathered_size(num_workers: int, capacity: int) -> None:
         "indices and counts address. Lower the density, send with a method whose workers "
         "select apart (exdyna, micro: n x k/n in all), or exchange this model with dense()."
     )
-
-
-def sum_at_gathered(
-    accumulated: jax.Array,
-    gathered_indices: jax.Array,
-    axis_name: str,
-    *,
-    value_slots: int | None,
-    value_dtype: jnp.dtype,
-    gather_values: bool,
-) -> SparseUpdate:
-  """`exchange`'s second round: the values at the gathered indices, summed.
-
-  Args:
-    accumulated: float32 ``[N]`` this worker's accumulated gradient.
-    gathered_indices: int32 ``[n, C]`` every worker's index buffer, sentinel ``N``.
-    axis_name: the data-parallel axis.
-    value_slots: static number of values summed (`compact`), or None for all ``n C``.
-    value_dtype: the dtype the values are summed in (`aggregate_at`).
-    gather_values: all-gather the values and sum them on each worker.
-
-  Returns:
-    The `SparseUpdate`.
-  """
-  reduced = gathered_indices
-  if value_slots is not None:
-    reduced = compact(gathered_indices, value_slots, accumulated.shape[0])
-  return aggregate_at(accumulated, reduced, axis_name, value_dtype, gather=gather_values)
 
 
 def distinct_count(indices: jax.Array, num_elements: int) -> jax.Array:

@@ -19,6 +19,7 @@ through a `_partition.Partitioner` value):
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -201,19 +202,13 @@ def exdyna(
     )
 
   def step_for(density):  # the step at one density
-    def step(accumulated, state, num_workers):
-      plan = plan_step(
-          density, accumulated.shape[0], num_workers, partitioner=partitioner,
-          num_blocks=num_blocks, capacity_factor=capacity_factor,
-          controller=threshold_controller, spill=spill, network=network,
-          value_bytes=jnp.dtype(value_dtype).itemsize,
-      )
-      return partitioned_step(
-          accumulated, state, plan, partitioner=partitioner, controller=threshold_controller,
-          axis_name=axis_name, value_dtype=value_dtype,
-      )
-
-    return step
+    plan_for = functools.partial(
+        plan_step, density, partitioner=partitioner, num_blocks=num_blocks,
+        capacity_factor=capacity_factor, controller=threshold_controller, spill=spill,
+        network=network, value_bytes=jnp.dtype(value_dtype).itemsize)
+    return functools.partial(
+        partitioned_step, plan_for=plan_for, partitioner=partitioner,
+        controller=threshold_controller, axis_name=axis_name, value_dtype=value_dtype)
 
   return _feedback.error_feedback_transform(
       axis_name=axis_name,

@@ -9,6 +9,7 @@ the step's telemetry. `plan_step` fixes the static sizes at one density.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -181,8 +182,9 @@ def plan_step(
 def partitioned_step(
     accumulated: jax.Array,
     state: ExDynaState,
-    plan: StepPlan,
+    num_workers: int,
     *,
+    plan_for: Callable[[int, int], StepPlan],
     partitioner: _partition.Partitioner,
     controller: _threshold.ThresholdController,
     axis_name: str,
@@ -193,7 +195,8 @@ def partitioned_step(
   Args:
     accumulated: float32 ``[N]`` this worker's ``g + m``.
     state: the `ExDynaState` the last step left.
-    plan: the step's static sizes.
+    num_workers: ``n``.
+    plan_for: ``(N, n) -> `` the step's static sizes (`plan_step` at a density).
     partitioner: how the partitions are cut and what they learn.
     controller: the threshold rule.
     axis_name: the data-parallel axis.
@@ -202,9 +205,9 @@ def partitioned_step(
   Returns:
     ``(sparse update, new state)``; the shell writes the residual.
   """
+  plan = plan_for(accumulated.shape[0], num_workers)
   t, geometry = state.step, plan.geometry
   estimate = _partition.PartitionEstimate(state.block_workloads, state.worker_scales)
-  num_workers = geometry.num_workers
 
   # Partitions for this step, and the one this worker owns.
   sizes = partitioner.cut(estimate, geometry, state.partition_sizes, state.partition_workloads, t)
@@ -213,10 +216,27 @@ def partitioned_step(
 
   # One global threshold, from every worker's count of its own partition;
   # exclusive selection in the worker's own partition; the exchange.
-  select = select_then_threshold if plan.select_first else threshold_then_select
-  threshold, steady, exchanged = select(
-      accumulated, state, plan, controller, begin, end, axis_name=axis_name,
-      value_dtype=value_dtype)
+  budget = plan.budget
+  if plan.select_first:  # one round fewer: the probe counts ride the index buffers
+    threshold, steady, exchanged = select_then_threshold(
+        accumulated, state, plan, controller, begin, end, axis_name=axis_name,
+        value_dtype=value_dtype)
+  else:  # the published order: the probe counts (if any), the threshold, the selection
+    probe = None
+    if controller.num_probes:
+      probe = _threshold.measure_partitions(
+          accumulated, begin, end, _threshold.probe_thresholds(state.threshold),
+          chunk=plan.chunk, unrolled=plan.unrolled, axis_name=axis_name)
+    threshold, steady = controller.choose(
+        state.threshold, jnp.sum(state.partition_workloads), budget, state.target_correction,
+        t, probe)
+    selection = _selection.select_in_range(
+        accumulated, threshold, begin, end, capacity=budget.capacity, chunk=plan.chunk,
+        unrolled=plan.unrolled, fallback_offset=t)
+    exchanged = _exchange.exchange(
+        accumulated, selection.indices, selection.passed[None], axis_name,
+        value_slots=plan.packed_slots, value_dtype=value_dtype, spill=plan.spill,
+        gather_values=plan.gather_values)
   estimate = partitioner.observe(
       estimate, geometry, sizes=sizes, step=t, gathered_indices=exchanged.gathered_indices,
       passed=exchanged.gathered_info[:, 0],
@@ -225,39 +245,6 @@ def partitioned_step(
       state, plan, controller, threshold=threshold, steady=steady, sizes=sizes,
       exchanged=exchanged, estimate=estimate,
   )
-
-
-def threshold_then_select(
-    accumulated: jax.Array, state: ExDynaState, plan: StepPlan,
-    controller: _threshold.ThresholdController, begin: jax.Array, end: jax.Array, *,
-    axis_name: str, value_dtype: Any,
-) -> tuple[jax.Array, jax.Array, _exchange.Exchanged]:
-  """Stages 3-5 in their published order: the threshold, then the selection at it.
-
-  The controller's probe counts (if it has probes) are all-gathered first;
-  then each worker selects in ``accumulated[begin:end]``, chunk by chunk, and
-  the index buffers (each with its pass count) and the values are exchanged.
-
-  Returns:
-    ``(threshold, steady, exchanged)``.
-  """
-  budget = plan.budget
-  measure = _threshold.measure_partitions(
-      accumulated, begin, end, chunk=plan.chunk, unrolled=plan.unrolled, axis_name=axis_name)
-  threshold, steady = controller.choose(
-      state.threshold, jnp.sum(state.partition_workloads), budget, state.target_correction,
-      state.step, measure,
-  )
-  selection = _selection.select_in_range(
-      accumulated, threshold, begin, end, capacity=budget.capacity, chunk=plan.chunk,
-      unrolled=plan.unrolled, fallback_offset=state.step,
-  )
-  exchanged = _exchange.exchange(
-      accumulated, selection.indices, selection.passed[None], axis_name,
-      value_slots=plan.packed_slots, value_dtype=value_dtype, spill=plan.spill,
-      gather_values=plan.gather_values,
-  )
-  return threshold, steady, exchanged
 
 
 def select_then_threshold(
@@ -270,8 +257,8 @@ def select_then_threshold(
   Each worker selects at its floor before the threshold is set, and one
   all-gather moves the counts with the buffers (`_early_selection`); every
   worker then sets the threshold and keeps what passes it, exactly what
-  `threshold_then_select` sends. Where some buffer does not hold all that
-  passes, the step selects and gathers again, as `threshold_then_select`
+  the published order sends (`partitioned_step`). Where some buffer does not
+  hold all that passes, the step selects and gathers again, as that order
   does (a step of the same rounds as it, not counted in ``bytes_sent``).
   The values follow as there.
 
@@ -284,7 +271,7 @@ def select_then_threshold(
       unrolled=plan.unrolled, fallback_offset=state.step, axis_name=axis_name)
   threshold, steady = controller.choose(
       state.threshold, jnp.sum(state.partition_workloads), budget, state.target_correction,
-      state.step, lambda thresholds: candidates.probe,
+      state.step, candidates.probe,
   )
 
   def kept():
@@ -301,9 +288,8 @@ def select_then_threshold(
   indices, info = jax.lax.cond(
       _early_selection.holds_every_pass(candidates, threshold, budget.capacity),
       kept, selected_again)
-  sparse = _exchange.sum_at_gathered(
-      accumulated, indices, axis_name, value_slots=plan.packed_slots, value_dtype=value_dtype,
-      gather_values=plan.gather_values)
+  sparse = _exchange.aggregate_at(accumulated, indices, axis_name, value_dtype,
+                                  slots=plan.packed_slots, gather=plan.gather_values)
   # The magnitudes, floor and fallback ride the buffers; the probe counts
   # (`_threshold.control_bytes`) are added with every controller's.
   side_info = budget.capacity + _early_selection.SIDE_WORDS

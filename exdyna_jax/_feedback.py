@@ -90,8 +90,9 @@ def error_feedback_transform(
       worker inside the mapped context on the previous ``state``. The shell
       writes the `SparseUpdate` into the dense update and its ``kept``
       values (zero by default) at its indices in the accumulated gradient to
-      form the new residual; ``new_state``'s own ``residual`` field is
-      ignored.
+      form the new residual. The step sees the state with ``residual`` and
+      ``leaves_seen`` set to None and returns them so (a skipped step's
+      branch returns the state it was given: the structures must agree).
 
   Returns:
     The optax transformation.
@@ -115,40 +116,20 @@ def error_feedback_transform(
     # counts, indices and loop carries are int32 and its state the one init()
     # made. Only the update is cast back to the leaves' dtypes (float64 too).
     with jax.enable_x64(False):
-      update, new_state = flat_update(updates, state, layout, num_workers)
+      fingerprint, leaves = _layout.fingerprint(updates)
+      screened = _guard.screen(updates, state.stats, num_workers, axis_name, layout=fingerprint)
+      accumulated = accumulate(updates, state.residual, screened.nonfinite)  # [1, N]
+      # The method sees neither the residual nor leaves_seen: the shell owns both.
+      previous = state._replace(residual=None, leaves_seen=None)
+      sparse, new_state = _guard.skip_if_nonfinite(
+          screened, step, (accumulated[0], previous, num_workers), previous, num_workers,
+          axis_name, leaves=leaves,
+          skipped=lambda shapes: _exchange.SparseUpdate.nothing(
+              shapes, layout.num_elements, axis_name))
+      sparse = keep_what_rounding_loses(sparse, layout)
+      update, residual = sparse.dense(layout.num_elements), sparse.clear(accumulated)[0]
+    new_state = new_state._replace(residual=residual, leaves_seen=state.leaves_seen)
     return _layout.unflatten(update, layout), new_state
-
-  def flat_update(updates, state, layout, num_workers):
-    """``update_fn`` on the flat vector: the dense float32 ``[N]`` update and the state."""
-    leaves_seen, state = state.leaves_seen, state._replace(leaves_seen=None)
-    layout_fingerprint, leaves = _layout.fingerprint(updates)
-    screened = _guard.screen(updates, state.stats, num_workers, axis_name,
-                             layout=layout_fingerprint)
-    accumulated = accumulate(updates, state.residual, screened.nonfinite)  # [1, N]
-
-    def without_residual_and_stats(state):  # what the switch carries besides the stats
-      return state._replace(residual=None, stats=None)
-
-    def run_step():
-      sparse, new_state = step(accumulated[0], state, num_workers)
-      return (sparse, without_residual_and_stats(new_state)), new_state.stats
-
-    (sparse, rest), stats = _guard.skip_if_nonfinite(
-        screened,
-        run_step,
-        state.stats,
-        num_workers,
-        axis_name,
-        skipped=lambda shapes: (
-            _exchange.SparseUpdate.nothing(shapes[0], layout.num_elements, axis_name),
-            without_residual_and_stats(state),
-        ),
-        leaves=leaves,
-    )
-    sparse = keep_what_rounding_loses(sparse, layout)
-    update = sparse.dense(layout.num_elements)
-    residual = sparse.clear(accumulated)[0]
-    return update, rest._replace(residual=residual, stats=stats, leaves_seen=leaves_seen)
 
   return _collectives.Sparsifier(init_fn, update_fn, axis_name)
 

@@ -185,14 +185,15 @@ def replay(program: Any, shapes: Any) -> Callable[[], Any]:
 
 def skip_if_nonfinite(
     screened: Screen,
-    step: Callable[[], tuple[Any, _stats.SparsifierStats]],
-    previous_stats: _stats.SparsifierStats,
+    step: Callable[..., tuple[Any, Any]],
+    args: tuple[Any, ...],
+    state: Any,
     num_workers: int,
     axis_name: str,
     *,
     skipped: Callable[[Any], Any] | None = None,
     leaves: str = "",
-) -> tuple[Any, _stats.SparsifierStats]:
+) -> tuple[Any, Any]:
   """The non-finite policy, shared by every method: skip the step on all workers.
 
   ``step`` runs inside a ``lax.switch``, so a finite step costs nothing extra
@@ -206,8 +207,11 @@ def skip_if_nonfinite(
 
   Args:
     screened: the `screen` of this step's gradients and of the state.
-    step: ``() -> (output, stats)``, the step proper.
-    previous_stats: the stats before the step.
+    step: ``(*args) -> (output, new_state)``, the step proper; ``new_state``
+      has the structure of ``state``.
+    args: what ``step`` is called with.
+    state: the method's state before the step (a ``NamedTuple`` with
+      ``stats``): a skipped step leaves it as it is.
     num_workers: ``n``, to price the screen's ``psum`` in ``stats.bytes_sent``
       and to name in the message.
     axis_name: the data-parallel axis, for the message.
@@ -217,8 +221,8 @@ def skip_if_nonfinite(
       message of a state laid out for another tree.
 
   Returns:
-    ``step()`` when ``screened.nonfinite == 0``; otherwise the ``skipped``
-    output and ``previous_stats``. Either way ``stats.step`` counts the steps
+    ``step(*args)`` when ``screened.nonfinite == 0``; otherwise the
+    ``skipped`` output and ``state``. Either way the state's ``stats.step`` counts the steps
     taken (the only place it is advanced), ``stats.nonfinite`` is set to
     ``screened.nonfinite``, ``stats.skipped_steps`` counts the skipped steps,
     ``stats.bytes_sent`` includes the screen's ``psum`` (and a skipped step's
@@ -226,18 +230,18 @@ def skip_if_nonfinite(
     figures (a skipped step's bytes only); ``stats.layout`` records
     ``screened.layout``.
   """
-  skip = screened.nonfinite > 0
+  skip, previous_stats = screened.nonfinite > 0, state.stats
   if skipped is None:
     skipped = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype))
 
   # The skipping branches need the step's output shapes: record the step once and
   # replay its program in the switch, rather than run the method's Python twice.
-  program, shapes = jax.make_jaxpr(step, return_shape=True)()
-  step, output_shapes = replay(program, shapes), shapes[0]
+  program, shapes = jax.make_jaxpr(functools.partial(step, *args), return_shape=True)()
+  taken, output_shapes = replay(program, shapes), shapes[0]
 
   def skip_step():
     silent = previous_stats._replace(bytes_sent=jnp.zeros_like(previous_stats.bytes_sent))
-    return skipped(output_shapes), silent
+    return skipped(output_shapes), state._replace(stats=silent)
 
   def stop_misfit():  # raises on the host; no collective, like a skipped step
     jax.debug.callback(
@@ -249,7 +253,8 @@ def skip_if_nonfinite(
 
   # One conditional for both checks (a GPU reads its predicate back once).
   branch = jnp.where(screened.misfit, 2, skip.astype(jnp.int32))
-  output, stats = jax.lax.switch(branch, (step, skip_step, stop_misfit))
+  output, new_state = jax.lax.switch(branch, (taken, skip_step, stop_misfit))
+  stats = new_state.stats
   flag_bytes, count_bytes = (_collectives.ring_all_reduce_bytes(num_workers, size)
                              for size in (2 * _collectives.INDEX_BYTES, _collectives.INDEX_BYTES))
   guard_bytes = flag_bytes + skip * count_bytes
@@ -268,4 +273,4 @@ def skip_if_nonfinite(
       bytes_total=_stats.add_to_total(stats.bytes_total, guard_bytes),  # the step's added
       target_total=_stats.add_to_total(previous_stats.target_total, done * stats.target),
   )
-  return output, stats
+  return output, new_state._replace(stats=stats)

@@ -304,12 +304,15 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
       params = _local_steps.synced_params(opt_state, params)
     return add_worker_axis(opt_state), params, add_worker_axis(jax.tree.map(jnp.asarray, aux))
 
-  # The state leaves first: a donated state buffer is aliased to the first
-  # output of its shape, so nothing else may come before it.
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def state_first(params, opt_state, batch, *args):
-    in_specs = (P(), per_worker, per_worker) + (P(),) * len(args)
-    return shard(body, in_specs, (per_worker, P(), per_worker))(params, opt_state, batch, *args)
+  @functools.cache
+  def state_first(num_args: int) -> Callable[..., tuple]:
+    """The jitted, donating ``body`` for ``num_args`` arguments after the batch.
+
+    The state leaves first: a donated state buffer is aliased to the first
+    output of its shape, so nothing else may come before it.
+    """
+    in_specs = (P(), per_worker, per_worker) + (P(),) * num_args
+    return jax.jit(shard(body, in_specs, (per_worker, P(), per_worker)), donate_argnums=(0, 1))
 
   checked = []  # the params' copies are compared after the first call
   differs = jax.jit(shard(functools.partial(
@@ -328,12 +331,15 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
     # Placed as the step takes them (no copy where they are already): an
     # Explicit mesh (jax.make_mesh's default) accepts nothing else.
     params, batch, args = jax.device_put((params, batch, args), (replicated, split, replicated))
-    opt_state, params, aux = state_first(params, opt_state, batch, *args)
+    opt_state, params, aux = state_first(len(args))(params, opt_state, batch, *args)
     if not checked and not any(  # under a jit of the user's, nothing to read
         isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(params)):
       _dp_checks.refuse_per_worker_params(differs(params))
       checked.append(True)
     return (params, opt_state, *aux)
 
-  train_step.lower = state_first.lower  # e.g. to read the compiled program's collectives
+  def lower(params, opt_state, batch, *args):  # e.g. to read the compiled program's collectives
+    return state_first(len(args)).lower(params, opt_state, batch, *args)
+
+  train_step.lower = lower
   return train_step

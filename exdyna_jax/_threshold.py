@@ -124,20 +124,16 @@ class Budget(NamedTuple):
   slots: int
 
 
-Measure = Callable[[jax.Array], ProbeCounts]
-"""``thresholds f32[P] -> ProbeCounts`` of this step's accumulated gradients."""
-
-
 def probe_thresholds(previous: jax.Array) -> jax.Array:
   """float32 ``[P]``: the adaptive controller's probes around the last threshold, ascending."""
   return previous * jnp.asarray(ADAPTIVE_PROBE_RATIOS, jnp.float32)
 
 
 def measure_partitions(
-    accumulated: jax.Array, begin: jax.Array, end: jax.Array, *, chunk: int, unrolled: int,
-    axis_name: str,
-) -> Measure:
-  """The `Measure` of workers that each own a partition ``accumulated[begin:end]``.
+    accumulated: jax.Array, begin: jax.Array, end: jax.Array, thresholds: jax.Array, *,
+    chunk: int, unrolled: int, axis_name: str,
+) -> ProbeCounts:
+  """Every worker's count at ``thresholds`` in its own partition ``accumulated[begin:end]``.
 
   Each worker counts its own partition in place, chunk by chunk
   (`_selection.count_in_range`), and one ``all_gather`` gives every worker
@@ -147,20 +143,17 @@ def measure_partitions(
     accumulated: float32 ``[N]`` this worker's accumulated gradient.
     begin: int32 first index of this worker's partition.
     end: int32 one past its last index.
+    thresholds: float32 ``[P]`` the probes (`probe_thresholds`).
     chunk: static elements per iteration (`_selection.chunk_length`).
     unrolled: static iterations unrolled on GPUs (`_selection.over_chunks`).
     axis_name: the data-parallel axis.
 
   Returns:
-    The `Measure`.
+    The gathered `ProbeCounts`.
   """
-
-  def measure(thresholds: jax.Array) -> ProbeCounts:
-    counts, largest = _selection.count_in_range(
-        accumulated, begin, end, thresholds, chunk=chunk, unrolled=unrolled)
-    return gathered_probe(_collectives.all_gather(probe_row(counts, largest), axis_name))
-
-  return measure
+  counts, largest = _selection.count_in_range(
+      accumulated, begin, end, thresholds, chunk=chunk, unrolled=unrolled)
+  return gathered_probe(_collectives.all_gather(probe_row(counts, largest), axis_name))
 
 
 def probe_row(counts: jax.Array, largest: jax.Array) -> jax.Array:
@@ -180,9 +173,10 @@ class ThresholdController(NamedTuple):
     name: ``"reference"`` or ``"adaptive"``.
     initial_threshold: ``k -> threshold`` before the first step.
     choose: ``(previous_threshold, previous_selected, budget, correction,
-      step, measure) -> (threshold, steady)`` for this step; ``measure``
-      counts, on every worker, the elements of this step's accumulated
-      gradient passing given thresholds, ``budget`` is the step's `Budget`
+      step, probe) -> (threshold, steady)`` for this step; ``probe`` holds
+      every worker's count of this step's accumulated gradient passing
+      `probe_thresholds` of the previous threshold (`ProbeCounts`; None for
+      a rule without probes), ``budget`` is the step's `Budget`
       and ``correction`` the factor on ``k`` that `correct` learns from
       ``steady`` steps (the reference rule ignores it and is never steady).
     num_probes: how many thresholds ``choose`` measures per step (the int32
@@ -192,7 +186,7 @@ class ThresholdController(NamedTuple):
   name: str
   initial_threshold: Callable[[int], float]
   choose: Callable[
-      [jax.Array, jax.Array, Budget, jax.Array, jax.Array, Measure],
+      [jax.Array, jax.Array, Budget, jax.Array, jax.Array, ProbeCounts | None],
       tuple[jax.Array, jax.Array],
   ]
   num_probes: int
@@ -217,13 +211,13 @@ def reference_factor(selected: jax.Array, target: int) -> jax.Array:
   )
 
 
-def _reference_choose(previous, selected, budget, correction, step, measure):
-  del correction, measure
+def _reference_choose(previous, selected, budget, correction, step, probe):
+  del correction, probe
   threshold = jnp.where(step == 0, previous, previous * reference_factor(selected, budget.target))
   return threshold, jnp.zeros((), bool)
 
 
-def _adaptive_choose(previous, selected, budget, correction, step, measure):
+def _adaptive_choose(previous, selected, budget, correction, step, probe):
   """Steers the indices *transmitted* to ``k``, never selecting more than can be sent.
 
   Each worker's buffer takes ``min(count, C)`` of what passes in its
@@ -248,7 +242,6 @@ def _adaptive_choose(previous, selected, budget, correction, step, measure):
   """
   del selected, step
   thresholds = probe_thresholds(previous)
-  probe = measure(thresholds)
   num_workers = probe.counts.shape[0]
   sendable = min(num_workers * budget.capacity, budget.slots)
   transmitted = jnp.sum(jnp.minimum(probe.counts, budget.capacity), axis=0)

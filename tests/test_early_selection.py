@@ -23,6 +23,7 @@ import exdyna_jax
 from exdyna_jax import (
   _balance,
   _early_selection,
+  _exdyna,
   _exdyna_step,
   _network,
   _threshold,
@@ -190,9 +191,13 @@ def test_one_round_fewer_sends_what_two_rounds_send(holds_record, monkeypatch, v
   params = jnp.zeros(num_elements)
   one_round = harness.to_numpy(harness.run_shard_map(tx, params, jnp.asarray(grads))[:2])
   assert True in holds_record and False in holds_record
-  with monkeypatch.context() as patch:
-    patch.setattr(_exdyna_step, "select_then_threshold", _exdyna_step.threshold_then_select)
-    two_rounds = list(harness.to_numpy(harness.run_shard_map(tx, params, jnp.asarray(grads))[:2]))
+  with monkeypatch.context() as patch:  # the same ExDyna, planned to select after the threshold
+    plan_step = _exdyna_step.plan_step
+    patch.setattr(_exdyna, "plan_step",
+                  lambda *a, **k: plan_step(*a, **k)._replace(select_first=False))
+    published = exdyna_jax.exdyna(0.01, network=GLOO_1GBIT, value_dtype=value_dtype)
+    two_rounds = list(harness.to_numpy(
+        harness.run_shard_map(published, params, jnp.asarray(grads))[:2]))
   # The bytes differ by what rides along: each worker's magnitudes and floor,
   # its fallback index for its pass count.
   capacity = _exdyna_step.plan_step(

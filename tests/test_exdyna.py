@@ -7,6 +7,7 @@ test_exdyna_reference.py; this file checks what must hold for any input.
 from __future__ import annotations
 
 import re
+import traceback
 
 import chex
 import jax
@@ -463,3 +464,42 @@ def test_update_tree_that_differs_from_the_init_tree_is_rejected():
     jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="data")(grads, state)
   with pytest.raises(ValueError, match="initialized for"):
     jax.vmap(lambda g, s: tx.update(g, s), axis_name="data")(grads, state)
+
+
+def test_one_data_parallel_step_is_traced_once_within_eight_library_frames(monkeypatch):
+  """The update reads top to bottom: from ``data_parallel``'s train step to the deepest
+  collective of an ExDyna step, at most 8 frames of the library are on the stack (the
+  wrapper, its per-worker body, the shell's update, the guard, the step, the exchange, the
+  index gather, the all-gather), and the method's Python runs once per trace."""
+  from exdyna_jax import _exdyna_step
+
+  depths, traced = [], []
+
+  def spy(name):
+    collective = getattr(jax.lax, name)
+
+    def recorded(*args, **kwargs):
+      depths.append(sum("/exdyna_jax/" in frame.filename for frame in traceback.extract_stack()))
+      return collective(*args, **kwargs)
+
+    monkeypatch.setattr(jax.lax, name, recorded)
+
+  for name in ("psum", "all_gather", "psum_scatter", "ppermute", "all_to_all"):
+    spy(name)
+  next_state = _exdyna_step.next_state
+  monkeypatch.setattr(_exdyna_step, "next_state",
+                      lambda *a, **k: traced.append(1) or next_state(*a, **k))
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  tx = optax.chain(exdyna_jax.exdyna(0.01), optax.sgd(0.1))
+  dp = exdyna_jax.data_parallel(tx, mesh)
+
+  @dp.step
+  def train_step(params, opt_state, batch):
+    updates, opt_state = tx.update(batch[0], opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  opt_state = dp.init(jnp.zeros(4096))
+  depths.clear()
+  train_step(jnp.zeros(4096), opt_state, jnp.ones((8, 4096)))
+  assert len(depths) >= 3 and max(depths) <= 8, depths  # probe counts, indices, values
+  assert len(traced) == 1

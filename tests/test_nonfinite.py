@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import exdyna_jax
-from exdyna_jax import _guard, _stats
+from exdyna_jax import _feedback, _guard, _stats
 from tests import harness
 
 NUM_WORKERS = 4
@@ -277,10 +277,12 @@ def test_a_step_past_int32_bytes_reads_saturated_and_is_totalled_exactly():
 
   def guarded(values):
     def step():
-      return jnp.zeros(3), previous._replace(**_stats.bytes_fields(previous, step_bytes))
+      return jnp.zeros(3), state._replace(stats=previous._replace(
+          **_stats.bytes_fields(previous, step_bytes)))
 
+    state = _feedback.ErrorFeedbackState(jnp.zeros(1), previous)
     screened = _guard.screen(values, previous, 2, "data")
-    return _guard.skip_if_nonfinite(screened, step, previous, 2, "data")[1]
+    return _guard.skip_if_nonfinite(screened, step, (), state, 2, "data")[1].stats
 
   stats = jax.vmap(guarded, axis_name="data")({"w": np.ones((2, 4), np.float32)})
   np.testing.assert_array_equal(stats.bytes_sent, [2**31 - 1] * 2)

@@ -212,14 +212,13 @@ def test_full_buffers_raise_the_threshold_where_that_sends_almost_as_much(
   counts = power_law_counts(thresholds, previous, scales, slopes)
   largest = 3 * previous
 
-  def measure(probe_thresholds):
-    np.testing.assert_allclose(np.asarray(probe_thresholds), thresholds)
-    return _threshold.ProbeCounts(jnp.asarray(counts, jnp.int32), jnp.float32(largest))
-
+  np.testing.assert_allclose(np.asarray(_threshold.probe_thresholds(jnp.float32(previous))),
+                             thresholds)
+  probe = _threshold.ProbeCounts(jnp.asarray(counts, jnp.int32), jnp.float32(largest))
   choose = _threshold.get_controller("adaptive").choose
   budget = _threshold.Budget(target, capacity, slots)
   got, steady = choose(
-      jnp.float32(previous), jnp.int32(0), budget, jnp.float32(correction), jnp.int32(5), measure
+      jnp.float32(previous), jnp.int32(0), budget, jnp.float32(correction), jnp.int32(5), probe
   )
   expected = numpy_choose(
       list(thresholds), counts, largest, target=target, capacity=capacity, slots=slots,
