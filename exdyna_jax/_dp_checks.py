@@ -2,7 +2,7 @@
 
 Each check names the fix. They run outside the compiled step: on the batch
 at every call (`check_batch`, a shape test), on the params ``init`` is given
-(`warn_if_sharded`), on the leaves each sparsifier's ``init`` saw
+(`refuse_unsupported_shardings`), on the leaves each sparsifier's ``init`` saw
 (`refuse_unexchanged_leaves`), on the state ``init`` built
 (`warn_if_not_first`, `warn_if_moments_after`, `check_multi_steps`), and on
 the replicated params after the first call (`refuse_per_worker_params`).
@@ -218,28 +218,36 @@ def refuse_per_worker_params(differs: Any) -> None:
     )
 
 
-def warn_if_sharded(params: Any) -> None:
-  """Warns where parameters arrive sharded: ``data_parallel`` replicates them.
+def refuse_unsupported_shardings(params: Any, mesh: jax.sharding.Mesh,
+                                 data_axes: tuple[str, ...]) -> None:
+  """Refuses parameter shardings ``data_parallel`` cannot step.
 
-  Tensor-parallel (``P(None, "model")``) or FSDP-style shardings are not
-  kept: every device would hold, and update, the whole model.
+  Parameters sharded over a data axis (FSDP / ZeRO-3 style) would give each
+  worker a slice of the model; parameters sharded over an Explicit axis
+  (``jax.make_mesh``'s default type) cannot be flattened into the
+  sparsifier's vector without a sharding for it. Tensor-parallel shardings
+  over Auto axes are kept.
   """
-  sharded = [
-      f"{jax.tree_util.keystr(path)} {leaf.sharding.spec}"
-      for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-      if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding)
-      and not leaf.sharding.is_fully_replicated
-  ]
-  if sharded:
-    warnings.warn(
-        f"data_parallel replicates the parameters on every device, and {len(sharded)} "
-        f"arrive sharded ({', '.join(sharded[:3])}{', ...' if len(sharded) > 3 else ''}): "
-        "each device will hold and update the whole model. Model-sharded parameters "
-        "(tensor parallel, FSDP) are not supported yet; replicate them on purpose "
-        "(jax.device_put(params, NamedSharding(mesh, P()))) to silence this.",
-        UserWarning,
-        stacklevel=3,
-    )
+  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+              if kind == jax.sharding.AxisType.Explicit and name not in data_axes}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh != mesh:
+      continue
+    named = {axis for entry in sharding.spec if entry is not None
+             for axis in ((entry,) if isinstance(entry, str) else entry)}
+    where = f"{jax.tree_util.keystr(path)} {sharding.spec}"
+    if named & set(data_axes):
+      raise NotImplementedError(
+          f"The parameter {where} is sharded over the data axis {sorted(named & set(data_axes))}"
+          " (FSDP / ZeRO-3 style), which data_parallel does not support yet: shard parameters "
+          "over other mesh axes only (tensor parallel), or replicate them over the data axes.")
+    if named & explicit:
+      raise NotImplementedError(
+          f"The parameter {where} is sharded over {sorted(named & explicit)}, an Explicit mesh "
+          "axis (jax.make_mesh's default): data_parallel keeps parameters sharded over Auto "
+          "axes only. Make the mesh with axis_types=(jax.sharding.AxisType.Auto, ...) for the "
+          "axes other than the data axis.")
 
 
 def warn_if_not_first(opt_state: Any, params: Any) -> None:

@@ -115,7 +115,9 @@ def data_parallel(
 
   Args:
     tx: the optimizer, e.g. ``optax.chain(exdyna_jax.exdyna(...), ...)``.
-    mesh: a mesh with an axis called ``axis_name`` (other axes replicate).
+    mesh: a mesh with an axis called ``axis_name``. Its other axes stay
+      XLA's: parameters sharded over them (tensor parallel, Auto axes) keep
+      their shardings; everything else is replicated over them.
     axis_name: the data-parallel mesh axis, or a tuple of them: the workers
       are their devices (``("node", "local")`` for a `hierarchical`
       sparsifier, whose state differs per device on both axes).
@@ -130,6 +132,8 @@ def data_parallel(
       more than one device that ``axis_name`` leaves out (a `hierarchical`
       sparsifier's fast axis: the batch and the state would be replicated
       over it), or never over one that it names.
+    NotImplementedError: from ``init`` and the step, for parameters sharded
+      over a data axis (FSDP) or over an Explicit mesh axis.
 
   Warns:
     UserWarning: for an axis of one device (nothing to exchange; the usual
@@ -198,14 +202,13 @@ def data_parallel(
         UserWarning,
         stacklevel=2,
     )
-  per_worker, replicated = P(axis_name), jax.NamedSharding(mesh, P())
-  shard = functools.partial(per_worker_map, mesh)
+  per_worker = P(axis_name)
+  shard = functools.partial(per_worker_map, mesh, axis_name)
 
   def init(params):
     _mesh_axes.refuse_axes_it_does_not_split(tx, params, mesh, axis_name)
-    _dp_checks.warn_if_sharded(params)
-    opt_state = shard(lambda p: add_worker_axis(tx.init(p)), P(), per_worker)(
-        jax.device_put(params, replicated))
+    params = place_params(params, mesh, axis_name)
+    opt_state = jax.jit(shard(lambda p: add_worker_axis(tx.init(p)), P(), per_worker))(params)
     _dp_checks.refuse_unexchanged_leaves(params, opt_state)
     _dp_checks.warn_if_not_first(opt_state, params)
     _dp_checks.warn_if_moments_after(opt_state)
@@ -243,7 +246,7 @@ def data_parallel(
         return jax.lax.pmean(loss, axis_name), add_worker_axis(grads)
 
       in_specs = (P(), per_worker) + (P(),) * len(args)
-      return shard(body, in_specs, (P(), per_worker))(params, batch, *args)
+      return jax.jit(shard(body, in_specs, (P(), per_worker)))(params, batch, *args)
 
     return grad_fn
 
@@ -255,6 +258,28 @@ def data_parallel(
   return DataParallel(init, step, update, value_and_grad, stats, tx, mesh, axis_name)
 
 
+def shardings_of(params: Any) -> tuple:
+  """``(treedef, shardings)`` of placed parameters: hashable, to key a compiled step."""
+  leaves, treedef = jax.tree.flatten(params)
+  return treedef, tuple(None if isinstance(leaf, jax.core.Tracer) else leaf.sharding
+                        for leaf in leaves)
+
+
+def place_params(params: Any, mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...]) -> Any:
+  """The parameters on ``mesh``: replicated over the data axes, other shardings kept.
+
+  A leaf sharded over the mesh's other axes (tensor parallel,
+  ``P(None, "model")``) keeps its sharding; any other leaf is replicated.
+  Refuses what the step cannot run: a leaf sharded over a data axis
+  (FSDP), and a sharded leaf on a mesh whose other axes are Explicit.
+  """
+  _dp_checks.refuse_unsupported_shardings(params, mesh, _mesh_axes.data_axes(axis_name))
+  replicated = jax.NamedSharding(mesh, P())
+  keep = lambda x: (isinstance(getattr(x, "sharding", None), jax.NamedSharding)  # noqa: E731
+                    and x.sharding.mesh == mesh)
+  return jax.tree.map(lambda x: x if keep(x) else jax.device_put(x, replicated), params)
+
+
 def require_data_parallel(dp: Any, call: str) -> None:
   """Raises unless ``dp`` is a `DataParallel` (the Flax helpers take it first)."""
   if not isinstance(dp, DataParallel):
@@ -264,15 +289,20 @@ def require_data_parallel(dp: Any, call: str) -> None:
     )
 
 
-def per_worker_map(mesh: jax.sharding.Mesh, fn: Callable, in_specs: Any, out_specs: Any
-                   ) -> Callable:
+def per_worker_map(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], fn: Callable,
+                   in_specs: Any, out_specs: Any) -> Callable:
   """``jax.shard_map`` of a per-worker function, gradients kept local.
+
+  Manual over the data axes only: the mesh's other axes (a ``model`` axis)
+  stay XLA's to partition, so parameters sharded over them stay so, and the
+  model's own code runs as under ``jax.jit``.
 
   ``check_vma=False``: gradients stay local (no implicit psum of the gradient
   of replicated params), and the sparsifier's output, identical on every
   worker by construction, may leave through a replicated out_spec.
   """
-  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False,
+                       axis_names=frozenset(_mesh_axes.data_axes(axis_name)))
 
 
 def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
@@ -290,7 +320,7 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
   whose first argument holds more than the parameters, pass False and
   swap the parameters themselves.
   """
-  per_worker, shard = P(axis_name), functools.partial(per_worker_map, mesh)
+  per_worker, shard = P(axis_name), functools.partial(per_worker_map, mesh, axis_name)
   workers = _mesh_axes.num_workers(mesh, axis_name)
   replicated, split = jax.NamedSharding(mesh, P()), jax.NamedSharding(mesh, per_worker)
 
@@ -305,14 +335,17 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
     return add_worker_axis(opt_state), params, add_worker_axis(jax.tree.map(jnp.asarray, aux))
 
   @functools.cache
-  def state_first(num_args: int) -> Callable[..., tuple]:
+  def state_first(num_args: int, param_shardings: tuple) -> Callable[..., tuple]:
     """The jitted, donating ``body`` for ``num_args`` arguments after the batch.
 
     The state leaves first: a donated state buffer is aliased to the first
-    output of its shape, so nothing else may come before it.
+    output of its shape, so nothing else may come before it. The parameters
+    leave with the shardings they came with (``(treedef, leaves)``), which
+    XLA would otherwise choose over the mesh's other axes.
     """
     in_specs = (P(), per_worker, per_worker) + (P(),) * num_args
-    return jax.jit(shard(body, in_specs, (per_worker, P(), per_worker)), donate_argnums=(0, 1))
+    return jax.jit(shard(body, in_specs, (per_worker, P(), per_worker)), donate_argnums=(0, 1),
+                   out_shardings=(None, jax.tree.unflatten(*param_shardings), None))
 
   checked = []  # the params' copies are compared after the first call
   differs = jax.jit(shard(functools.partial(
@@ -330,8 +363,10 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
     _dp_checks.check_worker_axis(opt_state, workers)
     # Placed as the step takes them (no copy where they are already): an
     # Explicit mesh (jax.make_mesh's default) accepts nothing else.
-    params, batch, args = jax.device_put((params, batch, args), (replicated, split, replicated))
-    opt_state, params, aux = state_first(len(args))(params, opt_state, batch, *args)
+    params = place_params(params, mesh, axis_name)
+    batch, args = jax.device_put((batch, args), (split, replicated))
+    opt_state, params, aux = state_first(len(args), shardings_of(params))(
+        params, opt_state, batch, *args)
     if not checked and not any(  # under a jit of the user's, nothing to read
         isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(params)):
       _dp_checks.refuse_per_worker_params(differs(params))
@@ -339,7 +374,8 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
     return (params, opt_state, *aux)
 
   def lower(params, opt_state, batch, *args):  # e.g. to read the compiled program's collectives
-    return state_first(len(args)).lower(params, opt_state, batch, *args)
+    params = place_params(params, mesh, axis_name)
+    return state_first(len(args), shardings_of(params)).lower(params, opt_state, batch, *args)
 
   train_step.lower = lower
   return train_step

@@ -528,18 +528,3 @@ def test_the_flax_helpers_take_data_parallel_first():
   for name, call in calls.items():
     with pytest.raises(TypeError, match=rf"{name}\(dp.*data_parallel\(tx, mesh\) returns first"):
       call()
-
-
-def test_model_sharded_params_are_warned_about():
-  """Tensor-parallel params (``P(None, "model")`` on a 4 x 2 mesh) are not kept sharded:
-  ``init`` says so, naming them, rather than replicating them silently."""
-  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  dp = exdyna_jax.data_parallel(optax.chain(exdyna_jax.topk(0.1), optax.sgd(0.1)), mesh)
-  params = {"b": jnp.zeros(8), "w": jnp.zeros((16, 8))}
-  sharded = jax.device_put(params, {"b": jax.NamedSharding(mesh, P()),
-                                    "w": jax.NamedSharding(mesh, P(None, "model"))})
-  with pytest.warns(UserWarning, match=r"1 arrive sharded \(\['w'\] P\(None, 'model'\)"):
-    dp.init(sharded)
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    dp.init(params)  # replicated: nothing to say

@@ -1,0 +1,169 @@
+"""Tensor-parallel parameters under ``data_parallel``: sharded over ``model``, sent over ``data``.
+
+On a ``("data", "model")`` mesh of Auto axes the parameters keep the shardings
+they arrive with over ``model`` after any number of steps, and every method
+steps them as it steps the same parameters replicated (the replicated run is
+checked against NumPy models elsewhere). FSDP-style shardings (over the data
+axis) and shardings over Explicit axes are refused, naming the leaf.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import P
+
+import exdyna_jax
+
+AUTO = jax.sharding.AxisType.Auto
+SPECS = {"w1": P(None, "model"), "w2": P("model", None), "b": P()}
+
+
+def mesh_of(*types: jax.sharding.AxisType) -> jax.sharding.Mesh:
+  return jax.make_mesh((4, 2), ("data", "model"), axis_types=types)
+
+
+def init_params() -> dict[str, jax.Array]:
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {"w1": jax.random.normal(k1, (16, 32)) * 0.3,
+          "w2": jax.random.normal(k2, (32, 4)) * 0.3, "b": jnp.zeros(4)}
+
+
+def loss_fn(params, batch):
+  x, y = batch
+  hidden = jnp.tanh(x @ params["w1"])
+  return jnp.mean((hidden @ params["w2"] + params["b"] - y) ** 2)
+
+
+def batches(steps: int):
+  key = jax.random.key(1)
+  for _ in range(steps):
+    key, kx, ky = jax.random.split(key, 3)
+    yield jax.random.normal(kx, (16, 16)), jax.random.normal(ky, (16, 4))
+
+
+def train(sparsifier, params, mesh, steps=4):
+  tx = optax.chain(sparsifier, optax.sgd(0.1))
+  dp = exdyna_jax.data_parallel(tx, mesh)
+
+  @dp.step
+  def step(params, opt_state, batch):
+    updates, opt_state = tx.update(jax.grad(loss_fn)(params, batch), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  opt_state = dp.init(params)
+  for batch in batches(steps):
+    params, opt_state = step(params, opt_state, batch)
+  return params, dp.stats(opt_state)
+
+
+def sharded(params, mesh):
+  return {name: jax.device_put(leaf, jax.NamedSharding(mesh, SPECS[name]))
+          for name, leaf in params.items()}
+
+
+@pytest.mark.parametrize("method", ["dense", "exdyna", "topk"])
+def test_tensor_parallel_params_keep_their_shardings_and_step_as_replicated(method):
+  mesh = mesh_of(AUTO, AUTO)
+  sparsifier = lambda: exdyna_jax.get_sparsifier(  # noqa: E731
+      method, **({} if method == "dense" else {"density": 0.1}))
+  params, stats = train(sparsifier(), sharded(init_params(), mesh), mesh)
+  replicated, replicated_stats = train(sparsifier(), init_params(), mesh)
+  assert {name: leaf.sharding.spec for name, leaf in params.items()} == SPECS
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               params, replicated)
+  np.testing.assert_array_equal(stats.transmitted, replicated_stats.transmitted)
+  assert float(jnp.abs(params["w1"] - init_params()["w1"]).max()) > 0
+
+
+def test_density_one_on_sharded_params_is_dense():
+  mesh = mesh_of(AUTO, AUTO)
+  exact, _ = train(exdyna_jax.exdyna(1.0), sharded(init_params(), mesh), mesh)
+  dense, _ = train(exdyna_jax.dense(), sharded(init_params(), mesh), mesh)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), exact, dense)
+
+
+def test_a_jit_step_of_ones_own_steps_sharded_params_as_replicated():
+  """pjit style: ``dp.value_and_grad`` and ``dp.update`` in a ``jax.jit`` of the user's, whose
+  ``out_shardings`` keep the parameters' shardings."""
+  mesh = mesh_of(AUTO, AUTO)
+  tx = optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(0.1))
+  dp = exdyna_jax.data_parallel(tx, mesh)
+  params = sharded(init_params(), mesh)
+  opt_state = dp.init(params)
+
+  @jax.jit(out_shardings=(jax.tree.map(lambda leaf: leaf.sharding, params), None))
+  def step(params, opt_state, batch):
+    _, worker_grads = dp.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = dp.update(worker_grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  split = jax.NamedSharding(mesh, P("data"))
+  for batch in batches(3):
+    params, opt_state = step(params, opt_state, jax.device_put(batch, split))
+  assert {name: leaf.sharding.spec for name, leaf in params.items()} == SPECS
+  expected, _ = train(exdyna_jax.exdyna(0.1), init_params(), mesh, steps=3)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               params, expected)
+
+
+def test_fsdp_style_and_explicit_axis_shardings_are_refused_naming_the_leaf():
+  auto = mesh_of(AUTO, AUTO)
+  dp = exdyna_jax.data_parallel(optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(0.1)), auto)
+  over_data = jax.device_put(init_params(), jax.NamedSharding(auto, P("data")))
+  with pytest.raises(NotImplementedError, match=r"\['b'\] .*data axis.*FSDP"):
+    dp.init(over_data)
+  explicit = mesh_of(jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Explicit)
+  dp = exdyna_jax.data_parallel(optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(0.1)), explicit)
+  with pytest.raises(NotImplementedError, match=r"\['w1'\].*Explicit mesh axis.*AxisType.Auto"):
+    dp.init(sharded(init_params(), explicit))
+  dp.init(init_params())  # replicated parameters on an Explicit mesh: as before
+
+
+def test_an_nnx_model_partitioned_with_flax_keeps_its_shardings():
+  """``nnx.with_partitioning`` on a ``(data, model)`` mesh, as Flax's sharding guide writes it,
+  stepped by `nnx_optimizer` and `nnx_step`: the same parameters as the replicated model."""
+  from flax import nnx
+
+  mesh = mesh_of(AUTO, AUTO)
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      init = nnx.initializers.lecun_normal()
+      self.hidden = nnx.Linear(16, 32, kernel_init=nnx.with_partitioning(init, (None, "model")),
+                               rngs=rngs)
+      self.out = nnx.Linear(32, 4, kernel_init=nnx.with_partitioning(init, ("model", None)),
+                            rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(jnp.tanh(self.hidden(x)))
+
+  def trained(shard):
+    with jax.set_mesh(mesh):
+      model = MLP(nnx.Rngs(0))
+      state = nnx.state(model)
+      nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state))
+                 if shard else jax.device_put(state, jax.NamedSharding(mesh, P())))
+    tx = optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(0.1))
+    dp = exdyna_jax.data_parallel(tx, mesh)
+    optimizer = exdyna_jax.nnx_optimizer(dp, model, wrt=nnx.Param)
+
+    @exdyna_jax.nnx_step(dp)
+    def step(model, optimizer, batch):
+      x, y = batch
+      grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+      optimizer.update(model, grads)
+
+    for batch in batches(3):
+      step(model, optimizer, batch)
+    return nnx.state(model, nnx.Param)
+
+  sharded_state, replicated_state = trained(True), trained(False)
+  specs = {path: leaf.sharding.spec for path, leaf in nnx.to_flat_state(sharded_state)}
+  assert specs[("hidden", "kernel")] == P(None, "model") and specs[("out", "kernel")] == P(
+      "model", None)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               nnx.to_pure_dict(sharded_state), nnx.to_pure_dict(replicated_state))
