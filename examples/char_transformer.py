@@ -2,11 +2,12 @@
 
 The corpus is the text of Python's own help topics (``pydoc_data``), read as
 bytes, so nothing is downloaded. The model is a decoder-only transformer
-(flax linen), trained with AdamW on one worker per device (8 simulated on
-CPU) in a ``data_parallel`` step, once with ``dense`` and once with a
-sparsifier: ``exdyna_jax.sparse_adamw(sparsifier, lr)`` is the AdamW to use
-after a sparsifier (each worker's own second moment, the residual carrying
-the momentum), with each worker's gradient clipped first. Prints test
+(flax linen), trained on one worker per device (8 simulated on CPU) in a
+``data_parallel`` step, once with data-parallel AdamW (``dense()`` then
+``optax.adamw``) and once with a sparsifier in
+``exdyna_jax.sparse_adamw(sparsifier, lr)``, the AdamW to use after one (each
+worker's own second moment, the residual carrying the momentum); each
+worker's gradient is clipped first. Prints test
 perplexity, the density sent and the bytes each worker sends per step,
 counted from the compiled program (`exdyna_jax.hlo`).
 
@@ -92,9 +93,12 @@ def train(method: str, args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dic
 
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, args.learning_rate, max(1, args.steps // 10), args.steps)
-  sparsifier = exdyna_jax.get_sparsifier(method, **({} if method == "dense" else {
-      "density": args.density}))
-  tx = optax.chain(optax.clip_by_global_norm(1.0), exdyna_jax.sparse_adamw(sparsifier, schedule))
+  clip = optax.clip_by_global_norm(1.0)  # each worker clips its own gradient
+  if method == "dense":  # the baseline: data-parallel AdamW
+    tx = optax.chain(clip, exdyna_jax.dense(), optax.adamw(schedule, weight_decay=1e-4))
+  else:  # AdamW for a sparsified exchange
+    sparsifier = exdyna_jax.get_sparsifier(method, density=args.density)
+    tx = optax.chain(clip, exdyna_jax.sparse_adamw(sparsifier, schedule))
   dp = exdyna_jax.data_parallel(tx, mesh)
 
   @dp.step  # every worker: its shard of the batch, its own gradient and optimizer state
