@@ -262,7 +262,7 @@ def shardings_of(params: Any) -> tuple:
   """``(treedef, shardings)`` of placed parameters: hashable, to key a compiled step."""
   leaves, treedef = jax.tree.flatten(params)
   return treedef, tuple(None if isinstance(leaf, jax.core.Tracer) else leaf.sharding
-                        for leaf in leaves)
+                        for leaf in leaves)  # None: a traced or abstract leaf's is XLA's
 
 
 def place_params(params: Any, mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...]) -> Any:
@@ -275,8 +275,8 @@ def place_params(params: Any, mesh: jax.sharding.Mesh, axis_name: str | tuple[st
   """
   _dp_checks.refuse_unsupported_shardings(params, mesh, _mesh_axes.data_axes(axis_name))
   replicated = jax.NamedSharding(mesh, P())
-  keep = lambda x: (isinstance(getattr(x, "sharding", None), jax.NamedSharding)  # noqa: E731
-                    and x.sharding.mesh == mesh)
+  keep = lambda x: isinstance(x, jax.ShapeDtypeStruct) or (  # noqa: E731
+      isinstance(getattr(x, "sharding", None), jax.NamedSharding) and x.sharding.mesh == mesh)
   return jax.tree.map(lambda x: x if keep(x) else jax.device_put(x, replicated), params)
 
 

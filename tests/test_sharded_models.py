@@ -17,6 +17,7 @@ import pytest
 from jax import P
 
 import exdyna_jax
+from exdyna_jax import hlo
 
 AUTO = jax.sharding.AxisType.Auto
 SPECS = {"w1": P(None, "model"), "w2": P("model", None), "b": P()}
@@ -167,3 +168,25 @@ def test_an_nnx_model_partitioned_with_flax_keeps_its_shardings():
       "model", None)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                nnx.to_pure_dict(sharded_state), nnx.to_pure_dict(replicated_state))
+
+
+def test_the_step_lowers_for_abstract_params_as_for_placed_ones():
+  """``train_step.lower`` places concrete params as a call does and passes abstract ones
+  (``jax.ShapeDtypeStruct``) through: both programs run the same collectives."""
+  mesh = mesh_of(AUTO, AUTO)
+  tx = optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(0.1))
+  dp = exdyna_jax.data_parallel(tx, mesh)
+
+  @dp.step
+  def step(params, opt_state, batch):
+    updates, opt_state = tx.update(jax.grad(loss_fn)(params, batch), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = init_params()
+  opt_state, batch = dp.init(params), next(batches(1))
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  collectives = [
+      [(op.kind, op.result_bytes) for op in hlo.collectives(
+          step.lower(p, opt_state, batch).compile().as_text(), mesh.size)]
+      for p in (params, abstract)]
+  assert collectives[0] == collectives[1] and len(collectives[0]) >= 3
