@@ -231,13 +231,14 @@ def aggregate_at(
     The `SparseUpdate` at the flattened (packed) ``indices``.
   """
   num_workers = _collectives.axis_size(axis_name)
-  flat_indices = indices.reshape(-1)
-  if slots is not None:
-    flat_indices = compact(indices, slots, accumulated.shape[0])
+  flat_indices = (indices.reshape(-1) if slots is None
+                  else compact(indices, slots, accumulated.shape[0]))
   values = accumulated.at[flat_indices].get(mode="fill", fill_value=0)
   narrow = jnp.dtype(value_dtype) != values.dtype
-  limit = float(jnp.finfo(value_dtype).max) / num_workers
-  sent = jnp.clip(values / num_workers, -limit, limit).astype(value_dtype) if narrow else values
+  sent = values
+  if narrow:  # each worker's share of the mean, within the dtype's range over n
+    limit = float(jnp.finfo(value_dtype).max) / num_workers
+    sent = jnp.clip(values / num_workers, -limit, limit).astype(value_dtype)
   if gather:
     total = jnp.sum(_collectives.all_gather(sent, axis_name), axis=0, dtype=sent.dtype)
   else:
