@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from exdyna_jax import _local_steps, _stats
+from exdyna_jax import _local_steps, _mesh_axes, _stats
 from exdyna_jax._local_rms import LocalRMSState
 
 
@@ -235,7 +235,7 @@ def refuse_unsupported_shardings(params: Any, mesh: jax.sharding.Mesh,
     if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh != mesh:
       continue
     named = {axis for entry in sharding.spec if entry is not None
-             for axis in ((entry,) if isinstance(entry, str) else entry)}
+             for axis in _mesh_axes.data_axes(entry)}  # a spec entry: a name or a tuple
     where = f"{jax.tree_util.keystr(path)} {sharding.spec}"
     if named & set(data_axes):
       raise NotImplementedError(
