@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from exdyna_jax import _registry
+from exdyna_jax.methods import _registry
 
 AXIS = "data"
 RESNET18 = 11_173_962  # ResNet-18 parameters

@@ -62,8 +62,8 @@ import sys
 import numpy as np
 
 from benchmarks import _common
-from exdyna_jax import _shaped_links
 from exdyna_jax.demo import cluster
+from exdyna_jax.launch import _shaped_links
 
 WORKER = [sys.executable, "-m", "benchmarks.cluster_worker"]
 # The demo's worker and settings (`exdyna-jax demo --processes 4 --method exdyna topk`).

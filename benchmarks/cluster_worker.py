@@ -44,7 +44,8 @@ import optax  # noqa: E402
 
 import exdyna_jax  # noqa: E402
 from benchmarks import _common  # noqa: E402
-from exdyna_jax import _exchange, _feedback, _stats, hlo  # noqa: E402
+from exdyna_jax import hlo  # noqa: E402
+from exdyna_jax.core import _stats  # noqa: E402
 from exdyna_jax.demo import tasks  # noqa: E402
 from exdyna_jax.demo.cluster_worker import (  # noqa: E402
   AXIS,
@@ -53,6 +54,8 @@ from exdyna_jax.demo.cluster_worker import (  # noqa: E402
   put,
 )
 from exdyna_jax.demo.trainer import make_mesh  # noqa: E402
+from exdyna_jax.exchange import _exchange  # noqa: E402
+from exdyna_jax.shell import _feedback  # noqa: E402
 
 # name -> (registered method, options); "compute" has no sparsifier.
 VARIANTS = {

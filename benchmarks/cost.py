@@ -132,7 +132,8 @@ def _patched(patch: str | None):
   its ``k``-th magnitude as the minimum of the ``k`` selected ones, which
   keeps XLA's TopK kernel. Library files are not modified.
   """
-  from exdyna_jax import _guard, _selection
+  from exdyna_jax.selection import _selection
+  from exdyna_jax.shell import _guard
 
   saved = {}
   if patch == "no_guard":

@@ -68,8 +68,8 @@ import optax
 import exdyna_jax
 from benchmarks import _common
 from benchmarks._gpu_profile import busiest_operations, with_sources
-from exdyna_jax import _selection
 from exdyna_jax.demo import tasks
+from exdyna_jax.selection import _selection
 
 AXIS = "data"
 WORKERS = 8

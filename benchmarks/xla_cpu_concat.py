@@ -5,17 +5,17 @@ Run (4 CPU devices in one process; prefix ``taskset -c 0`` for one core)::
   python -m benchmarks.xla_cpu_concat [--repeats 30]
 
 Why the error-feedback shell forms ``a = g + m`` leaf by leaf on CPU
-(`exdyna_jax._feedback.accumulate`; `benchmarks/results/NOTES.md`, 'Where
+(`exdyna_jax.shell._feedback.accumulate`; `benchmarks/results/NOTES.md`, 'Where
 ExDyna's own work goes on XLA:CPU'). Each variant is that accumulation,
 ``where(skip, m, flatten(g) + m)``, written into the donated ``[1, N]``
 residual on every device. The median ms of each, for a gradient tree shaped
 like the cluster benchmark's MLP (256-2048-2048-10, 6 leaves, N = 4.7M):
 
 * ``layout_order``: the leaves concatenated in their tree order, one fusion
-  (what the library runs on GPUs: `exdyna_jax._feedback._concatenated_sum`;
+  (what the library runs on GPUs: `exdyna_jax.shell._feedback._concatenated_sum`;
   the 4M weight is the fourth operand);
 * ``leaf_by_leaf``: each leaf added into its slice of the residual in place
-  (what the library runs on CPU: `exdyna_jax._feedback._leaf_by_leaf_sum`);
+  (what the library runs on CPU: `exdyna_jax.shell._feedback._leaf_by_leaf_sum`);
 * ``static_starts``: the same adds at starts XLA can fold to constants
   (``m.at[0, start:end].add``), which makes it copy the whole residual for
   the leaf at start 0;
@@ -70,7 +70,7 @@ def variants():
   """``{name: (leaf shapes, accumulate(m [1, N], leaves, skip) -> [1, N])}``."""
   import jax.numpy as jnp
 
-  from exdyna_jax import _feedback
+  from exdyna_jax.shell import _feedback
 
   def accumulate(m, leaves, skip):
     return _feedback._concatenated_sum(leaves, m, skip > 0)

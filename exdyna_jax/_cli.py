@@ -8,9 +8,9 @@ import sys
 import types
 from collections.abc import Callable, Sequence
 
-from exdyna_jax import _shaped_links
-from exdyna_jax._registry import available_sparsifiers, registered_name
 from exdyna_jax.demo.tasks import TASKS
+from exdyna_jax.launch import _shaped_links
+from exdyna_jax.methods._registry import available_sparsifiers, registered_name
 
 DEMO_DESCRIPTION = """\
 Train the same model on real bundled data with `dense` (plain all-reduce) and
@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _network_option(text: str) -> tuple[float, float] | str:
   """``SECONDS,BYTES_PER_SECOND`` -> a checked `exdyna_jax.Network`'s pair, or ``"measure"``
   (argparse's type)."""
-  from exdyna_jax import _network
+  from exdyna_jax.exchange import _network
 
   if text == "measure":
     return text

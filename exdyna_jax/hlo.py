@@ -60,7 +60,7 @@ from typing import Any, NamedTuple
 # count of a skipped step's bad elements, and ExDyna's second gather of the
 # index buffers where they did not hold all that passed (`exdyna(network=...)`).
 # Not part of a normal step's traffic. Written out, not imported from
-# `exdyna_jax._guard` and `exdyna_jax._early_selection`: this reader depends on
+# `exdyna_jax.shell._guard` and `exdyna_jax.methods.exdyna._early_selection`: this reader depends on
 # no part of the library (tests/test_hlo.py checks they agree).
 SKIPPED_STEP_SCOPE = "skipped_step"
 SELECTED_AGAIN_SCOPE = "selected_again"

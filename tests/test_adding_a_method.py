@@ -17,7 +17,10 @@ import numpy as np
 import pytest
 
 import exdyna_jax
-from exdyna_jax import _collectives, _exchange, _feedback, _registry, _stats
+from exdyna_jax.core import _collectives, _stats
+from exdyna_jax.exchange import _exchange
+from exdyna_jax.methods import _registry
+from exdyna_jax.shell import _feedback
 from tests import harness
 
 N, NUM_WORKERS, STEPS = 1000, 8, 5

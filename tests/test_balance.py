@@ -283,7 +283,7 @@ def test_the_readme_call_works_on_a_small_model():
 
 
 def test_blocks_have_no_large_remainder():
-  geometry = exdyna_jax._balance.balanced_geometry(85_002, 8)  # the demo's MLP
+  geometry = exdyna_jax.methods.exdyna._balance.balanced_geometry(85_002, 8)  # the demo's MLP
   last = geometry.num_elements - (geometry.num_blocks - 1) * geometry.block_size
   assert 0 < last <= geometry.block_size
   assert geometry.num_blocks * geometry.block_size - geometry.num_elements < geometry.block_size

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import exdyna_jax
-from exdyna_jax import _exchange
+from exdyna_jax.exchange import _exchange
 from tests import harness
 
 N, NUM_WORKERS, STEPS = 2048, 4, 8

@@ -21,8 +21,8 @@ import pytest
 
 import exdyna_jax
 
-# Importing ``exdyna_jax.__main__`` runs the command line.
-SKIP_MODULES = frozenset({"exdyna_jax.__main__"})
+# Importing a ``__main__`` runs its command line.
+SKIP_MODULES = frozenset({"exdyna_jax.__main__", "exdyna_jax.launch.__main__"})
 OPTIONFLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
@@ -43,8 +43,8 @@ def doctests_of(module_name: str) -> list[doctest.DocTest]:
 
 
 def test_the_walk_finds_the_package_modules():
-  for name in ("exdyna_jax._exdyna", "exdyna_jax._sharding", "exdyna_jax.launch",
-               "exdyna_jax._hierarchical", "exdyna_jax.demo.trainer"):
+  for name in ("exdyna_jax.methods.exdyna._exdyna", "exdyna_jax.parallel._sharding",
+               "exdyna_jax.launch", "exdyna_jax.wrappers._hierarchical", "exdyna_jax.demo.trainer"):
     assert name in MODULES, name
 
 

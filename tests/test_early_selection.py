@@ -20,15 +20,10 @@ import numpy as np
 import pytest
 
 import exdyna_jax
-from exdyna_jax import (
-  _balance,
-  _early_selection,
-  _exdyna,
-  _exdyna_step,
-  _network,
-  _threshold,
-  hlo,
-)
+from exdyna_jax import hlo
+from exdyna_jax.exchange import _network
+from exdyna_jax.methods.exdyna import _balance, _early_selection, _exdyna, _exdyna_step
+from exdyna_jax.selection import _threshold
 from tests import harness
 from tests.test_network import GLOO_1GBIT, one_step_program
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import exdyna_jax
-from exdyna_jax import _exchange, _options, _spill
+from exdyna_jax.core import _options
+from exdyna_jax.exchange import _exchange, _spill
 from tests import harness
 
 NUM_ELEMENTS = 1_000

@@ -18,7 +18,8 @@ import pytest
 from jax import P
 
 import exdyna_jax
-from exdyna_jax import _guard
+from exdyna_jax.selection import _selection
+from exdyna_jax.shell import _guard
 from tests import harness
 
 N_WORKERS = 4
@@ -235,11 +236,11 @@ def test_probe_counts_in_many_chunks_change_nothing(adaptive_run, runner, monkey
   params, grads, updates, states, _ = adaptive_run
   steps = 15
   grads = jax.tree.map(lambda g: g[:, :steps], grads)
-  monkeypatch.setattr(exdyna_jax._selection, "MIN_CHUNK", exdyna_jax._selection.ROW)
+  monkeypatch.setattr(_selection, "MIN_CHUNK", _selection.ROW)
   if unrolled:
-    monkeypatch.setattr(exdyna_jax._selection, "UNROLLED_PLATFORMS", ("cpu",))
+    monkeypatch.setattr(_selection, "UNROLLED_PLATFORMS", ("cpu",))
   num_elements = sum(x.size for x in jax.tree.leaves(params))
-  assert exdyna_jax._selection.chunk_length(num_elements, N_WORKERS) == 4192
+  assert _selection.chunk_length(num_elements, N_WORKERS) == 4192
   chunked_updates, chunked_states, _ = runner(
       exdyna_jax.exdyna(0.01, num_blocks=BLOCKS), params, grads
   )
@@ -471,7 +472,7 @@ def test_one_data_parallel_step_is_traced_once_within_eight_library_frames(monke
   collective of an ExDyna step, at most 8 frames of the library are on the stack (the
   wrapper, its per-worker body, the shell's update, the guard, the step, the exchange, the
   index gather, the all-gather), and the method's Python runs once per trace."""
-  from exdyna_jax import _exdyna_step
+  from exdyna_jax.methods.exdyna import _exdyna_step
 
   depths, traced = [], []
 

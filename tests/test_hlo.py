@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from exdyna_jax import _early_selection, _guard, hlo
+from exdyna_jax import hlo
+from exdyna_jax.methods.exdyna import _early_selection
+from exdyna_jax.shell import _guard
 
 
 def test_hlo_parser_prices_ring_collectives():

@@ -22,7 +22,7 @@ import optax
 import pytest
 
 import exdyna_jax
-from exdyna_jax import _feedback
+from exdyna_jax.shell import _feedback
 from tests import harness
 
 NUM_WORKERS = 8

@@ -322,7 +322,7 @@ class _Exits:
 def test_a_rank_that_exits_0_early_is_named(monkeypatch):
   """Rank 1 leaves with 0 while rank 0 runs on (and later aborts, waiting for it): the
   launcher says which rank left, and the abort's message points there."""
-  from exdyna_jax import _processes
+  from exdyna_jax.launch import _processes
 
   monkeypatch.setattr(_processes, "EARLY_EXIT_GRACE", 0.2)
   said = []

@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 
 import exdyna_jax
-from exdyna_jax import _network, _options, _spill, hlo
+from exdyna_jax import hlo
+from exdyna_jax.core import _options
+from exdyna_jax.exchange import _network, _spill
 from tests import harness
 
 GLOO_1GBIT = exdyna_jax.Network(message_seconds=1e-3, bytes_per_second=1e9 / 8)

@@ -1,6 +1,6 @@
 """Non-finite gradients: one bad step is skipped by every worker and leaves no trace.
 
-The policy (docs/algorithms.md has none; `exdyna_jax._feedback` states it): if the
+The policy (docs/algorithms.md has none; `exdyna_jax.shell._feedback` states it): if the
 gradient ``g`` of any worker holds a NaN or an infinity, every
 worker skips the step. The update is zero; residual, threshold, partitions,
 workloads and step counter keep their values; ``stats.nonfinite`` counts the
@@ -19,7 +19,8 @@ import optax
 import pytest
 
 import exdyna_jax
-from exdyna_jax import _feedback, _guard, _stats
+from exdyna_jax.core import _stats
+from exdyna_jax.shell import _feedback, _guard
 from tests import harness
 
 NUM_WORKERS = 4

@@ -12,43 +12,73 @@ MAP = (ROOT / "docs" / "package_map.md").read_text()
 MAX_LINES = 400
 
 
+def only_a_docstring(path: pathlib.Path) -> bool:
+  """A folder's ``__init__.py`` that only says what the folder holds."""
+  body = ast.parse(path.read_text()).body
+  return len(body) == 1 and isinstance(body[0], ast.Expr)
+
+
 def package_modules() -> set[str]:
-  """Modules under ``exdyna_jax/`` (package ``__init__`` files aside)."""
-  return {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+  """Paths under ``exdyna_jax/`` (``core/_layout.py``); ``__init__``s of a docstring aside."""
+  return {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+          if not (p.name == "__init__.py" and only_a_docstring(p))}
 
 
-def package_imports(path: pathlib.Path) -> set[str]:
-  """Top-level modules of ``exdyna_jax`` that ``path`` imports."""
-  found = set()
-  for node in ast.walk(ast.parse(path.read_text())):
-    if isinstance(node, ast.ImportFrom) and node.module == "exdyna_jax":
-      found |= {alias.name for alias in node.names}
-    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("exdyna_jax."):
-      found.add(node.module.split(".")[1])
+def mapped_modules() -> list[str]:
+  """Module paths in the order the map lists them: a folder's heading, then its table's rows."""
+  section = MAP.split("## The folders, in the order imports run", 1)[1].split("\n## ", 1)[0]
+  found, folder = [], ""
+  for line in section.splitlines():
+    if line.startswith("### "):
+      heading = re.match(r"### `([\w/]+/)`", line)
+      folder = heading[1] if heading else ""
+    elif row := re.match(r"\| `(\w+\.py)` \|", line):
+      found.append(folder + row[1])
   return found
 
 
-def import_order() -> dict[str, int]:
-  """Module -> its place in the list under 'Which way imports run'."""
-  section = MAP.split("## Which way imports run", 1)[1].split("\n## ", 1)[0]
-  names = re.findall(r"`(_?\w+)`", section)
-  return {name: place for place, name in enumerate(dict.fromkeys(names))}
+def module_path(dotted: str) -> str:
+  """``exdyna_jax.core._layout`` -> ``core/_layout.py``; a package -> its ``__init__.py``."""
+  relative = pathlib.Path(*dotted.split(".")[1:])
+  if (PACKAGE / relative).is_dir():
+    return str(relative / "__init__.py")
+  return str(relative.with_suffix(".py"))
 
 
-def test_every_module_is_on_the_map_and_every_mapped_module_exists():
-  named = set(re.findall(r"`((?:demo/)?\w+\.py)`", MAP))
+def package_imports(path: pathlib.Path) -> set[str]:
+  """Module paths of ``exdyna_jax`` that ``path`` imports with ``from ... import``."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "exdyna_jax":
+      for alias in node.names:
+        imported = module_path(f"{node.module}.{alias.name}")
+        found.add(imported if (PACKAGE / imported).exists() else module_path(node.module))
+  return found
+
+
+def is_private(module: str) -> bool:
+  """A module path with a part of a leading underscore (``__init__.py`` aside)."""
+  return any(part.startswith("_") and not part.startswith("__")
+             for part in pathlib.Path(module).parts)
+
+
+def test_every_module_is_on_the_map_in_its_folder_and_every_mapped_module_exists():
+  mapped = mapped_modules()
+  assert len(mapped) == len(set(mapped)), "a module is named twice"
   modules = package_modules()
-  assert modules - named == set(), "modules missing from docs/package_map.md"
-  assert named - modules == set(), "docs/package_map.md names modules that do not exist"
+  assert modules - set(mapped) == set(), "modules missing from docs/package_map.md"
+  assert set(mapped) - modules == set(), "docs/package_map.md names modules that do not exist"
 
 
 def test_every_module_imports_only_modules_listed_before_it():
-  place = import_order()
-  top_level = {p.stem for p in PACKAGE.glob("*.py")}
-  assert top_level - place.keys() == set(), "modules missing from the import order"
-  for name in top_level - {"__init__"}:
-    for imported in package_imports(PACKAGE / f"{name}.py") - {"demo"}:
-      assert place[imported] < place[name], f"{name} imports {imported}, listed after it"
+  """The library, the launcher and the command; the demo is user code (the test below)."""
+  place = {name: i for i, name in enumerate(mapped_modules())}
+  for name in place:
+    if name.startswith("demo/"):
+      continue
+    for imported in package_imports(PACKAGE / name):
+      if not imported.startswith("demo/"):
+        assert place[imported] < place[name], f"{name} imports {imported}, listed after it"
 
 
 def test_no_module_is_longer_than_a_few_screens():
@@ -63,13 +93,13 @@ def test_the_step_counter_is_advanced_in_one_place():
       for path in PACKAGE.rglob("*.py")
       if re.search(r"\bstep=[^,\n]*stats\.step\s*\+", path.read_text())
   }
-  assert writers == {"_guard.py"}, writers
+  assert writers == {"shell/_guard.py"}, writers
 
 
 def test_the_demo_uses_the_public_api_only():
   """The demo is what a user could write: it imports no private module of the library."""
   private = {
-      str(path.relative_to(PACKAGE)): sorted(n for n in package_imports(path) if n.startswith("_"))
+      str(path.relative_to(PACKAGE)): sorted(filter(is_private, package_imports(path)))
       for path in (PACKAGE / "demo").rglob("*.py")
   }
   assert {name: found for name, found in private.items() if found} == {}
@@ -79,7 +109,8 @@ def test_the_examples_use_the_public_api_and_the_hlo_reader_nothing_of_the_libra
   """Examples are what a user writes: no private module, no demo (their shared helpers are
   ``examples/_common.py``). The HLO reader stands alone, so the tools and tests that check
   the library's byte counts against it do not check the library against itself."""
-  found = {path.name: sorted(n for n in package_imports(path) if n.startswith("_") or n == "demo")
+  found = {path.name: sorted(n for n in package_imports(path)
+                              if is_private(n) or n.startswith("demo/"))
            for path in (ROOT / "examples").glob("*.py")}
   assert {name: names for name, names in found.items() if names} == {}
   assert package_imports(PACKAGE / "hlo.py") == set()

@@ -55,7 +55,7 @@ def test_every_name_builds_and_runs_one_step(name):
      ("top-k", "topk"), ("Top_K", "topk"), ("EXDYNA", "exdyna"), ("cl-tk", "cltk")],
 )
 def test_names_ignore_case_dashes_and_underscores(monkeypatch, spelling, name):
-  monkeypatch.setattr(exdyna_jax._registry, "SPARSIFIERS", {
+  monkeypatch.setattr(exdyna_jax.methods._registry, "SPARSIFIERS", {
       known: lambda known=known, **options: (known, options)
       for known in exdyna_jax.available_sparsifiers()})
   assert exdyna_jax.get_sparsifier(spelling, density=0.1) == (name, {"density": 0.1})

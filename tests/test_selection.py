@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from exdyna_jax import _selection
+from exdyna_jax.selection import _selection
 
 N = 10_000
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from exdyna_jax import _shaped_links
+from exdyna_jax.launch import _shaped_links
 from tests import subprocesses
 
 pytestmark = pytest.mark.slow  # the tools end to end: `-m "not slow"` leaves them out

@@ -13,7 +13,7 @@ import pytest
 from jax import P
 
 import exdyna_jax
-from exdyna_jax._spardl import SparDLState, spardl
+from exdyna_jax.methods._spardl import SparDLState, spardl
 from tests.harness import AXIS, mesh_of, run_pmap, run_shard_map, run_vmap, to_numpy
 from tests.models.spardl_model import SparDLModel
 

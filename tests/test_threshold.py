@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from exdyna_jax import _count_curve, _selection, _threshold
+from exdyna_jax.selection import _count_curve, _selection, _threshold
 
 
 def numpy_solve(thresholds, counts, target, largest=None):

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import exdyna_jax
-from exdyna_jax import _stats
+from exdyna_jax.core import _stats
 from tests import harness, test_nonfinite
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks import xla_cpu_concat
-from exdyna_jax import _feedback
+from exdyna_jax.shell import _feedback
 
 
 def test_the_leaves_are_the_cluster_benchmarks_mlp():

@@ -31,7 +31,7 @@ def _rates(summary: dict) -> list[str]:
 
 
 def _bits(rate: str) -> float:
-  from exdyna_jax import _shaped_links
+  from exdyna_jax.launch import _shaped_links
 
   return float(_shaped_links.parse_rate(rate) or float("inf"))
 

@@ -1,0 +1,1 @@
+"""Foundations every stage reads: the flat view, options, counts, stats and collectives."""

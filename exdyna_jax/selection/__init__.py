@@ -1,0 +1,1 @@
+"""Choosing indices: per-row and threshold selection, top-k, the threshold controllers."""

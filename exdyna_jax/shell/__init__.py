@@ -1,0 +1,1 @@
+"""The error-feedback shell every method runs in: the guard, density schedules, init/update."""

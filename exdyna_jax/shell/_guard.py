@@ -1,0 +1,276 @@
+"""The guard every update runs through: non-finite gradients and a resized state.
+
+If the gradient ``g`` of *any* worker holds a NaN or an infinity, *every*
+worker skips the step: the update is zero and the residual, threshold,
+partitions and step counter keep their previous values; ``stats.nonfinite``
+counts the bad elements over all workers and ``stats.skipped_steps`` the
+skipped steps. One ``psum`` of two int32 flags decides it (`screen`), so all
+workers take the same branch and the collectives stay matched (a per-worker
+decision, as ``optax.apply_if_finite`` makes, would desynchronise them); the
+bad elements are counted only on a step that has some. A state that does
+not fit stops the step with an error on the host: its recorded worker count
+is not the axis size (a restore cut or padded its worker axis to fit), or
+it records the layout of another gradient tree (leaves renamed or
+reordered since a checkpoint). Both decisions share one ``lax.switch``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+
+from exdyna_jax.core import _collectives, _stats
+
+COUNT_CHUNK = 1 << 16  # elements per iteration when non-finite elements are counted
+SKIPPED_STEP_SCOPE = "skipped_step"  # names, in the HLO, what only a skipped step runs
+
+
+class Screen(NamedTuple):
+  """What the guard decides a step on; the same on every worker.
+
+  Attributes:
+    nonfinite: int32 NaN and infinite gradient elements over all workers.
+    misfit: bool, whether any worker's state records another worker count
+      or another layout.
+    layout: int32 the values' `_layout.fingerprint` (0: not checked).
+  """
+
+  nonfinite: jax.Array
+  misfit: jax.Array
+  layout: jax.Array
+
+
+def screen(values: Any, stats: _stats.SparsifierStats, num_workers: int, axis_name: str, *,
+           layout: int = 0) -> Screen:
+  """Screens every worker's ``values`` for NaN and infinity, and whether its state fits.
+
+  A NaN or an infinity makes the sum of the values non-finite: one read-only
+  pass screens them (a plain sum: on CPU, ``sum(values * 0)``, which could
+  not overflow, takes twice as long). One ``psum`` of two int32 flags then
+  tells every worker the same answer, and only where some worker's sum is
+  not finite are the bad elements counted (`count_nonfinite`, in the name
+  scope `SKIPPED_STEP_SCOPE`: a second ``psum``; where finite values
+  overflowed the sum the count is 0 and the step goes on). The predicates
+  are the same on every worker, so under ``jax.vmap`` too the conditionals
+  stay conditionals (a per-worker predicate would make one a select that
+  runs every branch: the count on every step).
+
+  Args:
+    values: this worker's array, or pytree of arrays.
+    stats: this worker's state's stats (the worker count and layout it
+      records).
+    num_workers: ``n``, the axis size.
+    axis_name: the data-parallel axis.
+    layout: the `_layout.fingerprint` of ``values`` where the state holds a
+      residual laid out like them (a state that records another misfits);
+      0 (default) checks nothing.
+
+  Returns:
+    The `Screen`.
+  """
+  total = sum((jnp.sum(leaf, dtype=jnp.float32) for leaf in jax.tree.leaves(values)),
+              jnp.float32(0))
+  other_layout = (layout != 0) & (stats.layout != 0) & (stats.layout != layout)
+  flags = jnp.stack([~jnp.isfinite(total), (stats.num_workers != num_workers) | other_layout])
+  tripped, misfit = jax.lax.psum(flags.astype(jnp.int32), axis_name)
+
+  def count():
+    with jax.named_scope(SKIPPED_STEP_SCOPE):
+      return count_nonfinite(values, axis_name)
+
+  nonfinite = jax.lax.cond(tripped > 0, count, lambda: jnp.zeros((), jnp.int32))
+  return Screen(nonfinite, misfit > 0, jnp.int32(layout))
+
+
+def count_nonfinite(values: Any, axis_name: str) -> jax.Array:
+  """NaN and infinite elements of every worker's ``values``, summed over the workers.
+
+  Args:
+    values: this worker's array, or pytree of arrays.
+    axis_name: the data-parallel axis.
+
+  Returns:
+    int32 scalar, identical on every worker (one ``psum``).
+  """
+  zero = _collectives.per_worker(jnp.zeros((), jnp.int32), axis_name)
+  local = sum((_count_in_chunks(leaf, zero) for leaf in jax.tree.leaves(values)), zero)
+  return jax.lax.psum(local, axis_name)
+
+
+def _count_in_chunks(leaf: jax.Array, zero: jax.Array) -> jax.Array:
+  """NaN and infinite elements of ``leaf``, read in chunks of `COUNT_CHUNK`.
+
+  XLA:CPU writes the predicate of a whole-leaf count out before it sums it:
+  a leaf-sized int32 buffer that every step would reserve for this rarely
+  taken branch. A loop over chunks needs one chunk's.
+  """
+  flat = leaf.reshape(-1)
+  chunk = min(flat.shape[0], COUNT_CHUNK)
+  if chunk == 0:  # an empty leaf
+    return zero
+
+  def count_chunk(index, total):
+    start = jnp.minimum(index * chunk, flat.shape[0] - chunk)  # the last one shifts left
+    fresh = start + jnp.arange(chunk) >= index * chunk  # and counts only what is new
+    bad = fresh & ~jnp.isfinite(jax.lax.dynamic_slice(flat, (start,), (chunk,)))
+    return total + jnp.sum(bad, dtype=jnp.int32)
+
+  return jax.lax.fori_loop(0, -(-flat.shape[0] // chunk), count_chunk, zero)
+
+
+def raise_if_state_does_not_fit(recorded_workers: np.ndarray, recorded_layout: np.ndarray,
+                                layout: np.ndarray, *, num_workers: int, axis_name: str,
+                                leaves: str) -> None:
+  """Raises if a state records another worker count or tree layout (a host callback).
+
+  A state whose worker axis a restore cut or padded to fit another number of
+  workers has the right shapes (`_stats.check_num_workers` passes) but still records
+  the number it was initialized for (padded workers record 0). A state
+  restored for a tree whose leaves were renamed or reordered since has the
+  right shapes too, but records another layout fingerprint.
+
+  Args:
+    recorded_workers: ``stats.num_workers`` of one or more workers.
+    recorded_layout: ``stats.layout`` of one or more workers (0: none yet).
+    num_workers: size of ``axis_name`` in the calling context.
+    axis_name: the data-parallel axis, for the message.
+    layout: the fingerprint of this step's gradient tree (0: not checked).
+    leaves: its leaves, for the message.
+
+  Raises:
+    ValueError: if any recorded count differs from ``num_workers``, or any
+      recorded layout from ``layout``.
+  """
+  recorded = {int(r) for r in np.ravel(recorded_workers)}
+  if recorded != {num_workers}:
+    initialized_for = " or ".join(map(str, sorted(recorded - {0}))) or "another number of"
+    raise ValueError(
+        f"The optimizer state was initialized for {initialized_for} workers but axis "
+        f"{axis_name!r} has {num_workers}, and its arrays were cut or padded to "
+        f"{num_workers} workers' shapes (restoring a checkpoint with orbax's strict=False "
+        "does this): the residuals of the workers cut off are lost and the partitions no "
+        "longer fit. Restore onto the stored shapes instead and pass the state through "
+        "exdyna_jax.resize_workers(tx, state, params, num_workers), which keeps what the "
+        "parameters are owed."
+    )
+  layout = int(np.ravel(layout)[0])
+  if layout and {int(r) for r in np.ravel(recorded_layout)} - {0, layout}:
+    raise ValueError(
+        "The optimizer state's residual was laid out for another parameter tree: leaves "
+        "were renamed, reordered, added or removed since it was made (a checkpoint "
+        "restored for a changed model, or another tree passed to update()), and stepping "
+        "it would add each leaf's residual to another leaf. This step's leaves, in the "
+        f"flat order a state follows: {leaves}. Restore the state with the model it was "
+        "saved with, or start a fresh one with tx.init(params)."
+    )
+
+
+def replay(program: Any, shapes: Any) -> Callable[[], Any]:
+  """``fn``'s output again, from ``jax.make_jaxpr(fn, return_shape=True)()``'s pair.
+
+  A branch of a ``lax.switch`` whose output shapes another branch needs
+  first: recording ``fn`` once and replaying its program runs none of the
+  method's Python a second time (an ``eval_shape`` and the branch would
+  trace it twice).
+  """
+  return lambda: jax.tree.unflatten(
+      jax.tree.structure(shapes), jax.extend.core.jaxpr_as_fun(program)())
+
+
+def skip_if_nonfinite(
+    screened: Screen,
+    step: Callable[..., tuple[Any, Any]],
+    args: tuple[Any, ...],
+    state: Any,
+    num_workers: int,
+    axis_name: str,
+    *,
+    skipped: Callable[[Any], Any] | None = None,
+    leaves: str = "",
+) -> tuple[Any, Any]:
+  """The non-finite policy, shared by every method: skip the step on all workers.
+
+  ``step`` runs inside a ``lax.switch``, so a finite step costs nothing extra
+  and a skipped one does no work. The `Screen` is the same on every worker,
+  so all of them take the same branch and the collectives inside ``step``
+  stay matched. The same switch stops a state that does not fit
+  (`raise_if_state_does_not_fit`, on the host): its recorded worker
+  count is not ``n`` (its arrays were cut or padded to fit) or it records
+  another tree's layout; stepping it would silently lose or misplace
+  residuals.
+
+  Args:
+    screened: the `screen` of this step's gradients and of the state.
+    step: ``(*args) -> (output, new_state)``, the step proper; ``new_state``
+      has the structure of ``state``.
+    args: what ``step`` is called with.
+    state: the method's state before the step (a ``NamedTuple`` with
+      ``stats``): a skipped step leaves it as it is.
+    num_workers: ``n``, to price the screen's ``psum`` in ``stats.bytes_sent``
+      and to name in the message.
+    axis_name: the data-parallel axis, for the message.
+    skipped: maps the shapes of ``step``'s output (``jax.ShapeDtypeStruct``
+      leaves) to the output of a skipped step; by default zeros.
+    leaves: the gradient tree's leaves (`_layout.fingerprint`), for the
+      message of a state laid out for another tree.
+
+  Returns:
+    ``step(*args)`` when ``screened.nonfinite == 0``; otherwise the
+    ``skipped`` output and ``state``. Either way the state's ``stats.step`` counts the steps
+    taken (the only place it is advanced), ``stats.nonfinite`` is set to
+    ``screened.nonfinite``, ``stats.skipped_steps`` counts the skipped steps,
+    ``stats.bytes_sent`` includes the screen's ``psum`` (and a skipped step's
+    count, all it sends besides), and the running totals add this step's
+    figures (a skipped step's bytes only); ``stats.layout`` records
+    ``screened.layout``.
+  """
+  skip, previous_stats = screened.nonfinite > 0, state.stats
+  if skipped is None:
+    skipped = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype))
+
+  # The skipping branches need the step's output shapes: record the step once and
+  # replay its program in the switch, rather than run the method's Python twice.
+  program, shapes = jax.make_jaxpr(functools.partial(step, *args), return_shape=True)()
+  taken, output_shapes = replay(program, shapes), shapes[0]
+
+  def skip_step():
+    silent = previous_stats._replace(bytes_sent=jnp.zeros_like(previous_stats.bytes_sent))
+    return skipped(output_shapes), state._replace(stats=silent)
+
+  def stop_misfit():  # raises on the host; no collective, like a skipped step
+    jax.debug.callback(
+        functools.partial(raise_if_state_does_not_fit, num_workers=num_workers,
+                          axis_name=axis_name, leaves=leaves),
+        previous_stats.num_workers, previous_stats.layout, screened.layout,
+    )
+    return skip_step()
+
+  # One conditional for both checks (a GPU reads its predicate back once).
+  branch = jnp.where(screened.misfit, 2, skip.astype(jnp.int32))
+  output, new_state = jax.lax.switch(branch, (taken, skip_step, stop_misfit))
+  stats = new_state.stats
+  flag_bytes, count_bytes = (_collectives.ring_all_reduce_bytes(num_workers, size)
+                             for size in (2 * _collectives.INDEX_BYTES, _collectives.INDEX_BYTES))
+  guard_bytes = flag_bytes + skip * count_bytes
+  bytes_sent = _stats.add_bytes(stats.bytes_sent, guard_bytes)
+  done = branch == 0
+  stats = stats._replace(
+      step=previous_stats.step + done.astype(jnp.int32),  # the one place steps are counted
+      nonfinite=screened.nonfinite,
+      skipped_steps=previous_stats.skipped_steps + skip.astype(jnp.int32),
+      bytes_sent=bytes_sent,
+      num_workers=previous_stats.num_workers,
+      layout=screened.layout,
+      transmitted_total=_stats.add_to_total(
+          previous_stats.transmitted_total, done * stats.transmitted),
+      overflow_total=_stats.add_to_total(previous_stats.overflow_total, done * stats.overflow),
+      bytes_total=_stats.add_to_total(stats.bytes_total, guard_bytes),  # the step's added
+      target_total=_stats.add_to_total(previous_stats.target_total, done * stats.target),
+  )
+  return output, new_state._replace(stats=stats)

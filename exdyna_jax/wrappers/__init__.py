@@ -1,0 +1,1 @@
+"""Optimizers and modes around a method: sparse AdamW, local steps, hierarchical exchange."""
