@@ -1,10 +1,10 @@
 """Tensor-parallel parameters under ``data_parallel``: sharded over ``model``, sent over ``data``.
 
-On a ``("data", "model")`` mesh of Auto axes the parameters keep the shardings
-they arrive with over ``model`` after any number of steps, and every method
-steps them as it steps the same parameters replicated (the replicated run is
-checked against NumPy models elsewhere). FSDP-style shardings (over the data
-axis) and shardings over Explicit axes are refused, naming the leaf.
+On a ``("data", "model")`` mesh, of Auto axes or of Explicit ones (``jax.make_mesh``'s
+default), the parameters keep the shardings they arrive with over ``model`` after any
+number of steps, and every method steps them as it steps the same parameters replicated
+(the replicated run is checked against NumPy models elsewhere). FSDP-style shardings
+(over the data axis) are refused, naming the leaf.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from jax import P
 import exdyna_jax
 from exdyna_jax import hlo
 
-AUTO = jax.sharding.AxisType.Auto
+AUTO, EXPLICIT = jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit
 SPECS = {"w1": P(None, "model"), "w2": P("model", None), "b": P()}
 
 
@@ -36,7 +36,8 @@ def init_params() -> dict[str, jax.Array]:
 def loss_fn(params, batch):
   x, y = batch
   hidden = jnp.tanh(x @ params["w1"])
-  return jnp.mean((hidden @ params["w2"] + params["b"] - y) ** 2)
+  # On Explicit axes a contraction over the sharded dimension names its output's sharding.
+  return jnp.mean((jnp.matmul(hidden, params["w2"], out_sharding=P()) + params["b"] - y) ** 2)
 
 
 def batches(steps: int):
@@ -46,8 +47,8 @@ def batches(steps: int):
     yield jax.random.normal(kx, (16, 16)), jax.random.normal(ky, (16, 4))
 
 
-def train(sparsifier, params, mesh, steps=4):
-  tx = optax.chain(sparsifier, optax.sgd(0.1))
+def train(sparsifier, params, mesh, steps=4, sgd=True):
+  tx = optax.chain(sparsifier, optax.sgd(0.1)) if sgd else sparsifier
   dp = exdyna_jax.data_parallel(tx, mesh)
 
   @dp.step
@@ -66,16 +67,17 @@ def sharded(params, mesh):
           for name, leaf in params.items()}
 
 
-@pytest.mark.parametrize("method", ["dense", "exdyna", "topk"])
-def test_tensor_parallel_params_keep_their_shardings_and_step_as_replicated(method):
-  mesh = mesh_of(AUTO, AUTO)
+@pytest.mark.parametrize(("method", "axis_type"), [
+    ("dense", AUTO), ("exdyna", AUTO), ("topk", AUTO), ("dense", EXPLICIT), ("exdyna", EXPLICIT)])
+def test_tensor_parallel_params_keep_their_shardings_and_step_as_replicated(method, axis_type):
+  mesh = mesh_of(axis_type, axis_type)
   sparsifier = lambda: exdyna_jax.get_sparsifier(  # noqa: E731
       method, **({} if method == "dense" else {"density": 0.1}))
   params, stats = train(sparsifier(), sharded(init_params(), mesh), mesh)
-  replicated, replicated_stats = train(sparsifier(), init_params(), mesh)
+  replicated, replicated_stats = train(sparsifier(), init_params(), mesh_of(AUTO, AUTO))
   assert {name: leaf.sharding.spec for name, leaf in params.items()} == SPECS
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               params, replicated)
+               jax.device_get(params), jax.device_get(replicated))
   np.testing.assert_array_equal(stats.transmitted, replicated_stats.transmitted)
   assert float(jnp.abs(params["w1"] - init_params()["w1"]).max()) > 0
 
@@ -111,17 +113,28 @@ def test_a_jit_step_of_ones_own_steps_sharded_params_as_replicated():
                params, expected)
 
 
-def test_fsdp_style_and_explicit_axis_shardings_are_refused_naming_the_leaf():
+def test_fsdp_style_shardings_are_refused_naming_the_leaf():
   auto = mesh_of(AUTO, AUTO)
   dp = exdyna_jax.data_parallel(optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(0.1)), auto)
   over_data = jax.device_put(init_params(), jax.NamedSharding(auto, P("data")))
   with pytest.raises(NotImplementedError, match=r"\['b'\] .*data axis.*FSDP"):
     dp.init(over_data)
-  explicit = mesh_of(jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Explicit)
-  dp = exdyna_jax.data_parallel(optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(0.1)), explicit)
-  with pytest.raises(NotImplementedError, match=r"\['w1'\].*Explicit mesh axis.*AxisType.Auto"):
-    dp.init(sharded(init_params(), explicit))
-  dp.init(init_params())  # replicated parameters on an Explicit mesh: as before
+
+
+@pytest.mark.parametrize("wrapper", ["sparse_adamw", "local_steps"])
+def test_the_wrappers_keep_explicit_shardings_and_step_as_replicated(wrapper):
+  """`sparse_adamw` (its second moment sharded like the parameters) and `local_steps`
+  (each worker's own parameters) on ``jax.make_mesh``'s default Explicit axes."""
+  make = {"sparse_adamw": lambda: exdyna_jax.sparse_adamw(exdyna_jax.exdyna(0.1), 1e-2),
+          "local_steps": lambda: exdyna_jax.local_steps(
+              optax.sgd(0.1), sync_every=2, compressor=exdyna_jax.exdyna(0.1))}[wrapper]
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  assert mesh.axis_types == (EXPLICIT, EXPLICIT)
+  params, _ = train(make(), sharded(init_params(), mesh), mesh, sgd=False)
+  replicated, _ = train(make(), init_params(), mesh_of(AUTO, AUTO), sgd=False)
+  assert {name: leaf.sharding.spec for name, leaf in params.items()} == SPECS
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               jax.device_get(params), jax.device_get(replicated))
 
 
 def test_an_nnx_model_partitioned_with_flax_keeps_its_shardings():
@@ -190,3 +203,23 @@ def test_the_step_lowers_for_abstract_params_as_for_placed_ones():
           step.lower(p, opt_state, batch).compile().as_text(), mesh.size)]
       for p in (params, abstract)]
   assert collectives[0] == collectives[1] and len(collectives[0]) >= 3
+
+
+def test_a_state_cut_to_fit_is_stopped_on_explicit_axes_too():
+  """The guard's host check where Explicit axes are left to XLA (JAX cannot lower a
+  callback there by itself: it runs in a ``shard_map`` of its own over them)."""
+  mesh = mesh_of(EXPLICIT, EXPLICIT)
+  tx = optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(0.1))
+  dp = exdyna_jax.data_parallel(tx, mesh)
+
+  @dp.step
+  def step(params, opt_state, batch):
+    updates, opt_state = tx.update(jax.grad(loss_fn)(params, batch), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = sharded(init_params(), mesh)
+  method_state, *rest = dp.init(params)
+  as_if_for_eight = method_state.stats._replace(num_workers=method_state.stats.num_workers * 2)
+  misfit = (method_state._replace(stats=as_if_for_eight), *rest)
+  with pytest.raises(Exception, match="initialized for 8 workers but axis 'data' has 4"):
+    jax.block_until_ready(step(params, misfit, next(batches(1))))

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import P
 
 ACCUMULATION_DTYPE = jnp.float32
 MAX_ELEMENTS = 2**31 - 1  # indices are int32
@@ -172,6 +173,31 @@ def gradient_layout(updates: Any, params: Any, num_elements: int | None) -> Flat
         "pass to update()."
     )
   return layout
+
+
+def gathered(tree: Any) -> Any:
+  """``tree`` with each leaf sharded over an Explicit mesh axis replicated over it.
+
+  A leaf typed ``f32[16,32@model]`` has no flat ``[512]`` sharding to take, so
+  the flat vector is formed from its gathered copy (what XLA does for an
+  Auto axis too). Leaves with no Explicit sharding pass unchanged: no
+  operation is added.
+  """
+  return jax.tree.map(lambda leaf: jax.sharding.reshard(leaf, P()) if _sharded(leaf) else leaf,
+                      tree)
+
+
+def resharded_like(tree: Any, template: Any) -> Any:
+  """``tree`` with each leaf given the Explicit sharding of ``template``'s leaf (a local slice)."""
+  return jax.tree.map(
+      lambda leaf, like: jax.sharding.reshard(leaf, jax.typeof(like).sharding.spec)
+      if _sharded(like) else leaf, tree, template)
+
+
+def _sharded(leaf: Any) -> bool:
+  """Whether ``leaf``'s type names a mesh axis (an Explicit one: Auto axes are not typed)."""
+  spec = getattr(jax.typeof(leaf).sharding, "spec", ())
+  return any(entry is not None for entry in spec)
 
 
 def flatten(tree: Any) -> jax.Array:

@@ -222,34 +222,24 @@ def refuse_per_worker_params(differs: Any) -> None:
 
 def refuse_unsupported_shardings(params: Any, mesh: jax.sharding.Mesh,
                                  data_axes: tuple[str, ...]) -> None:
-  """Refuses parameter shardings ``data_parallel`` cannot step.
+  """Refuses parameters sharded over a data axis, which ``data_parallel`` cannot step.
 
-  Parameters sharded over a data axis (FSDP / ZeRO-3 style) would give each
-  worker a slice of the model; parameters sharded over an Explicit axis
-  (``jax.make_mesh``'s default type) cannot be flattened into the
-  sparsifier's vector without a sharding for it. Tensor-parallel shardings
-  over Auto axes are kept.
+  Such parameters (FSDP / ZeRO-3 style) would give each worker a slice of the
+  model. Shardings over the mesh's other axes (tensor parallel, Auto or
+  Explicit) are kept.
   """
-  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
-              if kind == jax.sharding.AxisType.Explicit and name not in data_axes}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh != mesh:
       continue
     named = {axis for entry in sharding.spec if entry is not None
              for axis in _mesh_axes.data_axes(entry)}  # a spec entry: a name or a tuple
-    where = f"{jax.tree_util.keystr(path)} {sharding.spec}"
     if named & set(data_axes):
       raise NotImplementedError(
-          f"The parameter {where} is sharded over the data axis {sorted(named & set(data_axes))}"
-          " (FSDP / ZeRO-3 style), which data_parallel does not support yet: shard parameters "
-          "over other mesh axes only (tensor parallel), or replicate them over the data axes.")
-    if named & explicit:
-      raise NotImplementedError(
-          f"The parameter {where} is sharded over {sorted(named & explicit)}, an Explicit mesh "
-          "axis (jax.make_mesh's default): data_parallel keeps parameters sharded over Auto "
-          "axes only. Make the mesh with axis_types=(jax.sharding.AxisType.Auto, ...) for the "
-          "axes other than the data axis.")
+          f"The parameter {jax.tree_util.keystr(path)} {sharding.spec} is sharded over the data "
+          f"axis {sorted(named & set(data_axes))} (FSDP / ZeRO-3 style), which data_parallel "
+          "does not support yet: shard parameters over other mesh axes only (tensor parallel), "
+          "or replicate them over the data axes.")
 
 
 def warn_if_not_first(opt_state: Any, params: Any) -> None:

@@ -38,8 +38,17 @@ def drop_worker_axis(tree):
   return jax.tree.map(lambda x: x[0], tree)
 
 
-# Worker 0's slice of every leaf in one program: one dispatch, not one per leaf.
-first_worker = jax.jit(drop_worker_axis)
+def first_worker(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+  """Worker 0's slice of every leaf, replicated: one program, not one dispatch per leaf.
+
+  The worker axis is gathered first: an Explicit data axis (``jax.make_mesh``'s
+  default) types ``x[0]`` of a leaf split over it as a slice JAX does not
+  take.
+  """
+  return _drop_worker_axis(jax.device_put(tree, jax.NamedSharding(mesh, P())))
+
+
+_drop_worker_axis = jax.jit(drop_worker_axis)
 
 
 class DataParallel(NamedTuple):
@@ -118,8 +127,8 @@ def data_parallel(
   Args:
     tx: the optimizer, e.g. ``optax.chain(exdyna_jax.exdyna(...), ...)``.
     mesh: a mesh with an axis called ``axis_name``. Its other axes stay
-      XLA's: parameters sharded over them (tensor parallel, Auto axes) keep
-      their shardings; everything else is replicated over them.
+      XLA's: parameters sharded over them (tensor parallel, Auto or Explicit
+      axes) keep their shardings; everything else is replicated over them.
     axis_name: the data-parallel mesh axis, or a tuple of them: the workers
       are their devices (``("node", "local")`` for a `hierarchical`
       sparsifier, whose state differs per device on both axes).
@@ -135,7 +144,7 @@ def data_parallel(
       sparsifier's fast axis: the batch and the state would be replicated
       over it), or never over one that it names.
     NotImplementedError: from ``init`` and the step, for parameters sharded
-      over a data axis (FSDP) or over an Explicit mesh axis.
+      over a data axis (FSDP).
 
   Warns:
     UserWarning: for an axis of one device (nothing to exchange; the usual
@@ -255,7 +264,7 @@ def data_parallel(
   step = functools.partial(step_decorator, mesh, axis_name)
 
   def stats(opt_state):
-    return first_worker(_stats.get_stats(opt_state))
+    return first_worker(_stats.get_stats(opt_state), mesh)
 
   return DataParallel(init, step, update, value_and_grad, stats, tx, mesh, axis_name)
 
@@ -272,8 +281,7 @@ def place_params(params: Any, mesh: jax.sharding.Mesh, axis_name: str | tuple[st
 
   A leaf sharded over the mesh's other axes (tensor parallel,
   ``P(None, "model")``) keeps its sharding; any other leaf is replicated.
-  Refuses what the step cannot run: a leaf sharded over a data axis
-  (FSDP), and a sharded leaf on a mesh whose other axes are Explicit.
+  Refuses what the step cannot run: a leaf sharded over a data axis (FSDP).
   """
   _dp_checks.refuse_unsupported_shardings(params, mesh, _mesh_axes.data_axes(axis_name))
   replicated = jax.NamedSharding(mesh, P())

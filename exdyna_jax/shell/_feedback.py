@@ -105,6 +105,7 @@ def error_feedback_transform(
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
+    given, updates = updates, _layout.gathered(updates)
     layout, num_workers = check_update(updates, state, params, axis_name)
     # The step is traced in 32-bit mode whatever jax_enable_x64 says: its
     # counts, indices and loop carries are int32 and its state the one init()
@@ -123,7 +124,7 @@ def error_feedback_transform(
       sparse = keep_what_rounding_loses(sparse, layout)
       update, residual = sparse.dense(layout.num_elements), sparse.clear(accumulated)[0]
     new_state = new_state._replace(residual=residual, leaves_seen=state.leaves_seen)
-    return _layout.unflatten(update, layout), new_state
+    return _layout.resharded_like(_layout.unflatten(update, layout), given), new_state
 
   return _collectives.Sparsifier(init_fn, update_fn, axis_name)
 

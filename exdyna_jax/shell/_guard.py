@@ -24,6 +24,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+from jax import P
 
 from exdyna_jax.core import _collectives, _stats
 
@@ -171,6 +172,25 @@ def raise_if_state_does_not_fit(recorded_workers: np.ndarray, recorded_layout: n
     )
 
 
+def on_host(callback: Callable[..., None], *args: jax.Array) -> None:
+  """``jax.debug.callback(callback, *args)``, also where Explicit mesh axes are left to XLA.
+
+  JAX lowers a callback under a ``shard_map`` manual over some axes through
+  a ``shard_map`` over the rest that closes over ``args``, which it cannot
+  do for axes of the Explicit type (a ``(data, model)`` mesh from
+  ``jax.make_mesh``): there the callback runs in a ``shard_map`` of its own
+  over them, taking ``args`` (replicated scalars) as arguments.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  explicit = frozenset(name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                       if kind == jax.sharding.AxisType.Explicit)
+  if not explicit:
+    jax.debug.callback(callback, *args)
+    return
+  jax.shard_map(lambda *args: jax.debug.callback(callback, *args), in_specs=P(), out_specs=None,
+                axis_names=explicit, check_vma=False)(*args)
+
+
 def replay(program: Any, shapes: Any) -> Callable[[], Any]:
   """``fn``'s output again, from ``jax.make_jaxpr(fn, return_shape=True)()``'s pair.
 
@@ -244,11 +264,9 @@ def skip_if_nonfinite(
     return skipped(output_shapes), state._replace(stats=silent)
 
   def stop_misfit():  # raises on the host; no collective, like a skipped step
-    jax.debug.callback(
-        functools.partial(raise_if_state_does_not_fit, num_workers=num_workers,
-                          axis_name=axis_name, leaves=leaves),
-        previous_stats.num_workers, previous_stats.layout, screened.layout,
-    )
+    on_host(functools.partial(raise_if_state_does_not_fit, num_workers=num_workers,
+                              axis_name=axis_name, leaves=leaves),
+            previous_stats.num_workers, previous_stats.layout, screened.layout)
     return skip_step()
 
   # One conditional for both checks (a GPU reads its predicate back once).

@@ -70,7 +70,7 @@ def scale_by_local_rms(b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTr
   """
 
   def init_fn(params):
-    nu = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    nu = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)  # sharded like p
     return LocalRMSState(jnp.zeros([], jnp.int32), nu)
 
   def update_fn(updates, state, params=None):
