@@ -183,7 +183,7 @@ def gathered(tree: Any) -> Any:
   Auto axis too). Leaves with no Explicit sharding pass unchanged: no
   operation is added.
   """
-  return jax.tree.map(lambda leaf: jax.sharding.reshard(leaf, P()) if _sharded(leaf) else leaf,
+  return jax.tree.map(lambda leaf: jax.sharding.reshard(leaf, P()) if is_sharded(leaf) else leaf,
                       tree)
 
 
@@ -191,10 +191,10 @@ def resharded_like(tree: Any, template: Any) -> Any:
   """``tree`` with each leaf given the Explicit sharding of ``template``'s leaf (a local slice)."""
   return jax.tree.map(
       lambda leaf, like: jax.sharding.reshard(leaf, jax.typeof(like).sharding.spec)
-      if _sharded(like) else leaf, tree, template)
+      if is_sharded(like) else leaf, tree, template)
 
 
-def _sharded(leaf: Any) -> bool:
+def is_sharded(leaf: Any) -> bool:
   """Whether ``leaf``'s type names a mesh axis (an Explicit one: Auto axes are not typed)."""
   spec = getattr(jax.typeof(leaf).sharding, "spec", ())
   return any(entry is not None for entry in spec)

@@ -74,7 +74,6 @@ def dense(*, axis_name: str = "data") -> _collectives.Sparsifier:
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
-    given, updates = updates, _layout.gathered(updates)
     layout, num_workers = _feedback.check_update(updates, state, params, axis_name)
     screened = _guard.screen(updates, state.stats, num_workers, axis_name)
     total = jax.lax.psum(
@@ -95,8 +94,9 @@ def dense(*, axis_name: str = "data") -> _collectives.Sparsifier:
         ),
         target=layout.num_elements,
     )
-    mean, state = _guard.skip_if_nonfinite(
-        screened, lambda: (mean, state._replace(stats=stats)), (), state, num_workers, axis_name)
-    return _layout.resharded_like(mean, given), state
+    # Leaves sharded over an Explicit axis (tensor parallel) are summed shard by shard.
+    return _guard.skip_if_nonfinite(
+        screened, lambda: (mean, state._replace(stats=stats)), (), state, num_workers, axis_name,
+        skipped=lambda shapes: jax.tree.map(jnp.zeros_like, mean))
 
   return _collectives.Sparsifier(init_fn, update_fn, axis_name)

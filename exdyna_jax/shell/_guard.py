@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import P
 
-from exdyna_jax.core import _collectives, _stats
+from exdyna_jax.core import _collectives, _layout, _stats
 
 COUNT_CHUNK = 1 << 16  # elements per iteration when non-finite elements are counted
 SKIPPED_STEP_SCOPE = "skipped_step"  # names, in the HLO, what only a skipped step runs
@@ -111,6 +111,8 @@ def _count_in_chunks(leaf: jax.Array, zero: jax.Array) -> jax.Array:
   a leaf-sized int32 buffer that every step would reserve for this rarely
   taken branch. A loop over chunks needs one chunk's.
   """
+  if _layout.is_sharded(leaf):  # typed over an Explicit axis: no flat view; count the shard
+    return zero + jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32)
   flat = leaf.reshape(-1)
   chunk = min(flat.shape[0], COUNT_CHUNK)
   if chunk == 0:  # an empty leaf
