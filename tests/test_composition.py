@@ -475,13 +475,17 @@ def least_squares_step(mesh):
 
 
 def test_an_explicit_mesh_takes_an_unplaced_batch():
-  """jax.make_mesh's default (Explicit axes): the step places params and batch itself."""
+  """jax.make_mesh's default (Explicit axes): the step, its ``lower`` and ``dp.stats`` place
+  params, batch and stats themselves."""
   mesh = jax.make_mesh((NUM_WORKERS,), (harness.AXIS,), devices=jax.devices()[:NUM_WORKERS])
   dp, train_step = least_squares_step(mesh)
   state = (params(), dp.init(params()))
+  batch = np.ones((2 * NUM_WORKERS, 24), np.float32)
   for _ in range(2):
-    state = train_step(*state, np.ones((2 * NUM_WORKERS, 24), np.float32))
+    state = train_step(*state, batch)
   assert state[0]["w"].sharding.is_fully_replicated
+  assert int(dp.stats(state[1]).step) == 2
+  assert "all-gather" in train_step.lower(*state, batch).compile().as_text()
 
 
 def test_swapped_returns_are_named_when_the_step_is_traced():

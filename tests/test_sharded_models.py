@@ -137,12 +137,13 @@ def test_the_wrappers_keep_explicit_shardings_and_step_as_replicated(wrapper):
                jax.device_get(params), jax.device_get(replicated))
 
 
-def test_an_nnx_model_partitioned_with_flax_keeps_its_shardings():
+@pytest.mark.parametrize("axis_type", [AUTO, EXPLICIT])
+def test_an_nnx_model_partitioned_with_flax_keeps_its_shardings(axis_type):
   """``nnx.with_partitioning`` on a ``(data, model)`` mesh, as Flax's sharding guide writes it,
   stepped by `nnx_optimizer` and `nnx_step`: the same parameters as the replicated model."""
   from flax import nnx
 
-  mesh = mesh_of(AUTO, AUTO)
+  mesh = mesh_of(axis_type, axis_type)
 
   class MLP(nnx.Module):
     def __init__(self, rngs):
@@ -152,8 +153,9 @@ def test_an_nnx_model_partitioned_with_flax_keeps_its_shardings():
       self.out = nnx.Linear(32, 4, kernel_init=nnx.with_partitioning(init, ("model", None)),
                             rngs=rngs)
 
-    def __call__(self, x):
-      return self.out(jnp.tanh(self.hidden(x)))
+    def __call__(self, x):  # the contraction over "model" names its output's sharding
+      hidden = jnp.tanh(self.hidden(x))
+      return jnp.matmul(hidden, self.out.kernel[...], out_sharding=P()) + self.out.bias[...]
 
   def trained(shard):
     with jax.set_mesh(mesh):

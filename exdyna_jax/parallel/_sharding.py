@@ -385,6 +385,10 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
 
   def lower(params, opt_state, batch, *args):  # e.g. to read the compiled program's collectives
     params = place_params(params, mesh, axis_name)
+    put = lambda x, sharding: (  # noqa: E731  (abstract leaves pass: their sharding is XLA's)
+        x if isinstance(x, jax.ShapeDtypeStruct) else jax.device_put(x, sharding))
+    batch = jax.tree.map(lambda x: put(x, split), batch)
+    args = jax.tree.map(lambda x: put(x, replicated), args)
     return state_first(len(args), shardings_of(params)).lower(params, opt_state, batch, *args)
 
   train_step.lower = lower
