@@ -47,8 +47,8 @@ def batches(steps: int):
     yield jax.random.normal(kx, (16, 16)), jax.random.normal(ky, (16, 4))
 
 
-def train(sparsifier, params, mesh, steps=4, sgd=True):
-  tx = optax.chain(sparsifier, optax.sgd(0.1)) if sgd else sparsifier
+def train_step(tx, mesh):
+  """``(dp, step)``: ``tx`` wired by `data_parallel`, and its decorated per-worker step."""
   dp = exdyna_jax.data_parallel(tx, mesh)
 
   @dp.step
@@ -56,6 +56,11 @@ def train(sparsifier, params, mesh, steps=4, sgd=True):
     updates, opt_state = tx.update(jax.grad(loss_fn)(params, batch), opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
+  return dp, step
+
+
+def train(sparsifier, params, mesh, steps=4, sgd=True):
+  dp, step = train_step(optax.chain(sparsifier, optax.sgd(0.1)) if sgd else sparsifier, mesh)
   opt_state = dp.init(params)
   for batch in batches(steps):
     params, opt_state = step(params, opt_state, batch)
@@ -189,13 +194,7 @@ def test_the_step_lowers_for_abstract_params_as_for_placed_ones():
   """``train_step.lower`` places concrete params as a call does and passes abstract ones
   (``jax.ShapeDtypeStruct``) through: both programs run the same collectives."""
   mesh = mesh_of(AUTO, AUTO)
-  tx = optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(0.1))
-  dp = exdyna_jax.data_parallel(tx, mesh)
-
-  @dp.step
-  def step(params, opt_state, batch):
-    updates, opt_state = tx.update(jax.grad(loss_fn)(params, batch), opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+  dp, step = train_step(optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(0.1)), mesh)
 
   params = init_params()
   opt_state, batch = dp.init(params), next(batches(1))
@@ -211,13 +210,7 @@ def test_a_state_cut_to_fit_is_stopped_on_explicit_axes_too():
   """The guard's host check where Explicit axes are left to XLA (JAX cannot lower a
   callback there by itself: it runs in a ``shard_map`` of its own over them)."""
   mesh = mesh_of(EXPLICIT, EXPLICIT)
-  tx = optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(0.1))
-  dp = exdyna_jax.data_parallel(tx, mesh)
-
-  @dp.step
-  def step(params, opt_state, batch):
-    updates, opt_state = tx.update(jax.grad(loss_fn)(params, batch), opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+  dp, step = train_step(optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(0.1)), mesh)
 
   params = sharded(init_params(), mesh)
   method_state, *rest = dp.init(params)
