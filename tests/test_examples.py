@@ -45,6 +45,20 @@ def test_digits_example(name, tmp_path, capsys):
     assert 0 <= row["bytes/worker/step (HLO)"] - row["(stats)"] < 256, row
 
 
+def test_tensor_parallel_example(tmp_path, capsys):
+  """NNX kernels split over "model" on jax.make_mesh's default (4, 2) mesh keep their
+  shardings; ExDyna sends a fraction of dense's bytes over "data"."""
+  rows = load_example("tensor_parallel").main([
+      "--steps", "10", "--density", "0.05", "--learning-rate", "0.3", "--out", str(tmp_path)])
+  assert "shardings kept" in capsys.readouterr().out
+  assert [row["method"] for row in rows] == ["dense", "exdyna"]
+  for row in rows:
+    assert row["shardings kept"] is True, row
+    assert loss_decreased(tmp_path / f"metrics-{row['method']}.jsonl"), row
+  dense, sparse = (row["bytes/worker/step over data"] for row in rows)
+  assert 0 < sparse < dense / 5
+
+
 def test_char_transformer_example(tmp_path, capsys):
   rows = load_example("char_transformer").main([
       "--steps", "6", "--density", "0.05", "--context", "16", "--width", "32", "--layers", "1",
