@@ -17,8 +17,9 @@ def busiest_operations(trace_dir, steps, top=12):
   """Per device thread of the ``jax.profiler`` trace in ``trace_dir``: events a
   step, busy microseconds a step, the span a step (first start to last end,
   over ``steps`` queued steps: busy plus the device's idle gaps), the
-  device-to-host copies a step (each a wait of the host on the device) and
-  the ``top`` operations by time. Every operation goes to
+  device-to-host copies a step (each a wait of the host on the device), the
+  ``top`` operations by time and the ``top`` idle gaps by time, each named by
+  the operations before and after it (`idle_gaps`). Every operation goes to
   ``operations.json`` in ``trace_dir``."""
   with gzip.open(next(pathlib.Path(trace_dir).rglob("*.trace.json.gz"))) as file:
     trace = json.load(file)
@@ -27,12 +28,14 @@ def busiest_operations(trace_dir, steps, top=12):
            if e.get("ph") == "M" and e["name"] in ("process_name", "thread_name")}
   threads = collections.defaultdict(lambda: collections.defaultdict(list))
   spans = collections.defaultdict(list)
+  timelines = collections.defaultdict(list)
   for e in events:
     process = names.get((e.get("pid"), None), "")
     if e.get("ph") == "X" and "/device:" in process and "CPU" not in process:
       thread = f"{process} {names.get((e['pid'], e.get('tid')), e.get('tid'))}"
       threads[thread][e["name"]].append(e["dur"])
       spans[thread] += [e["ts"], e["ts"] + e["dur"]]
+      timelines[thread].append((e["ts"], e["ts"] + e["dur"], e["name"]))
   summary, everything = {}, {}
   for thread, operations in threads.items():
     ranked = [{"name": name[:160], "count_per_step": len(d) / steps,
@@ -44,10 +47,26 @@ def busiest_operations(trace_dir, steps, top=12):
         "span_us_per_step": (max(spans[thread]) - min(spans[thread])) / steps,
         "device_to_host_per_step": len(operations.get("MemcpyD2H", ())) / steps,
         "top": ranked[:top],
+        "idle_gaps": idle_gaps(timelines[thread], steps, top),
     }
     everything[thread] = ranked
   (pathlib.Path(trace_dir) / "operations.json").write_text(json.dumps(everything, indent=1))
   return summary
+
+
+def idle_gaps(timeline, steps, top):
+  """The ``top`` idle stretches of a device thread, summed per pair of operations
+  around them: ``[{"after", "before", "count_per_step", "us_per_step"}]``."""
+  gaps = collections.defaultdict(list)
+  busy_until, last = None, None
+  for start, end, name in sorted(timeline):
+    if busy_until is not None and start > busy_until:
+      gaps[(last, name)].append(start - busy_until)
+    if busy_until is None or end >= busy_until:
+      busy_until, last = end, name
+  ranked = sorted(gaps.items(), key=lambda item: -sum(item[1]))[:top]
+  return [{"after": after[:80], "before": before[:80], "count_per_step": len(d) / steps,
+           "us_per_step": sum(d) / steps} for (after, before), d in ranked]
 
 
 def with_sources(summary, hlo):

@@ -10,6 +10,13 @@ Methods (all on the same gradients):
 
 ==================  ==========================================================
 exdyna              ``exdyna(d)``, the default (balanced, adaptive)
+exdyna_loops        ``exdyna(d)`` with the passes over the partition as XLA
+                    loops (`_selection.KERNEL_PLATFORMS` emptied), as before
+                    the Pallas kernels: the same results, another program
+exdyna_unguarded    a diagnostic, not a method to use: ``exdyna(d)`` with the
+                    guard's two conditionals patched out (the screen's sum
+                    and ``psum`` stay; the step always runs), to measure
+                    what waiting for their predicates costs
 exdyna_reference    ``exdyna(d, controller="reference")``
 micro               ``micro(d)``
 topk_ef             a plain error-feedback step with ``lax.top_k``: read
@@ -25,11 +32,23 @@ under ``vmap`` with ``TRAIN_BATCH`` examples each, ``optax.chain(method,
 optax.sgd)``, jitted with params and state donated: ``compute`` (the
 gradients and SGD, no exchange), ``dense``, ``exdyna`` and ``topk``.
 
+``--gpt`` times the train step of a GPT-like transformer (`GPT`: 12 layers,
+width 768, 85.3M parameters, causal attention in bfloat16, a byte vocabulary),
+8 workers under ``vmap`` with `GPT_BATCH` sequences of 256 tokens each,
+``optax.chain(method, optax.adamw)``: ``compute`` (AdamW alone, the updates
+averaged on the one device), ``dense``, ``exdyna`` at d = 0.01 and 0.001, and
+ExDyna at 0.001 with the loops (``exdyna_loops``).
+
+``--check`` compares the Pallas kernels with the loops on this device
+(``kernels_against_loops``): the two passes on one worker's gradient, and
+ExDyna, its reference rule and MiCRO for a few steps (`check_kernels`).
+
 ``--chunk-scales 1,2,4`` also times ``exdyna`` at the target with the
 partition read in chunks that many times `_selection.chunk_length` (fewer
 loop iterations, more elements read past the partition's ends).
 
-``--profile DIR`` traces a few steps of each method at the target size with
+``--profile DIR`` traces a few steps of ``--profile-methods`` (default:
+ExDyna) at the target size with
 ``jax.profiler`` (the trace lands in ``DIR``) and records, per device
 thread of the trace, the busiest operations per step (``profile`` in the
 JSON), and the number of kernels a step launches.
@@ -46,51 +65,39 @@ Writes ``results/gpu.json`` (``device``, ``exdyna_over_floor`` and
 ``--out`` says otherwise. ``--quick`` runs small sizes (for CPU and tests),
 ``--target-only`` the target alone (to compare ``XLA_FLAGS``, say).
 
-Run: python -m benchmarks.gpu [--quick] [--target-only] [--train] [--profile DIR]
+Run: python -m benchmarks.gpu [--quick] [--target-only] [--train] [--gpt] [--check]
+     [--profile DIR]
      [--out FILE] [--repeats 20] [--methods a,b,...]
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import pathlib
-import statistics
 import sys
-import time
 from unittest import mock
 
 import jax
 import jax.numpy as jnp
-import optax
 
 import exdyna_jax
-from benchmarks import _common
+from benchmarks import _common, _gpu_train
 from benchmarks._gpu_profile import busiest_operations, with_sources
-from exdyna_jax.demo import tasks
+from benchmarks._gpu_timing import AXIS, WORKERS, loops_if, method_of, timed_steps, timing
 from exdyna_jax.selection import _selection
 
-AXIS = "data"
-WORKERS = 8
 TARGET = {"elements": 25_000_000, "density": 0.001}
 FULL_GRID = [(n, d) for n in (11_200_000, 25_000_000, 100_000_000) for d in (0.01, 0.001)]
 QUICK_GRID = [(200_000, 0.001)]
-METHODS = ("exdyna", "exdyna_reference", "micro", "topk_ef", "floor")
-# 25.2M parameters, a multiple of 4: under vmap the 8 workers' residuals are
-# the rows of one [8, N] array, and where N is not (10 classes: N % 4 == 2)
-# rows 1-7 start off the 16-byte alignment XLA:GPU vectorises by (on an
-# H200 the accumulation of this tree took 1.12 ms with 10 classes, 0.58 ms
-# with N a multiple of 4). On 8 GPUs each residual is a buffer of its own.
-TRAIN_LAYERS = (2048, 4096, 4096, 16)
-QUICK_TRAIN_LAYERS = (64, 256, 256, 10)
-TRAIN_BATCH = 128  # examples per worker
-TRAIN_METHODS = ("compute", "dense", "exdyna", "topk")
+METHODS = ("exdyna", "exdyna_loops", "exdyna_unguarded", "exdyna_reference", "micro", "topk_ef",
+           "floor")
+CHECK_STEPS = 4
 PROFILE_STEPS = 5
 
 
 def sparsifier(name, density):
-  if name == "exdyna":
+  if method_of(name) == "exdyna":
     return exdyna_jax.exdyna(density, axis_name=AXIS)
   if name == "exdyna_reference":
     return exdyna_jax.exdyna(density, axis_name=AXIS, controller="reference")
@@ -125,32 +132,6 @@ def program(name, num_elements, density):
   return lambda: tx.init(params), step
 
 
-def timed_steps(step, carry, repeats):
-  """Runs ``carry = step(carry)`` 3 times to compile and warm up, then ``repeats``
-  times blocked on each, then ``repeats`` times queued (one block at the end).
-
-  Returns:
-    ``(carry, times, queued)``: the last carry, the seconds of each blocked
-    step (what a loop that reads every step's result gets: the host's
-    dispatch and the wait included) and the mean seconds of a queued one
-    (the device's throughput, where the host can run ahead).
-  """
-  for _ in range(3):
-    carry = step(carry)
-  carry, times = _common.blocked_seconds(step, jax.block_until_ready(carry), repeats)
-  start = time.perf_counter()
-  for _ in range(repeats):
-    carry = step(carry)
-  carry = jax.block_until_ready(carry)
-  return carry, times, (time.perf_counter() - start) / repeats
-
-
-def timing(times, queued, per=1):
-  """The JSON of `timed_steps`' times, each divided by ``per``."""
-  return {"seconds": statistics.median(times) / per, "min_seconds": min(times) / per,
-          "queued_seconds": queued / per}
-
-
 def vmapped_update(name, num_elements, density):
   """``(state, run)``: the 8 workers' state and the jitted step ``run(state, grads)``."""
   init, step = program(name, num_elements, density)
@@ -162,9 +143,10 @@ def vmapped_update(name, num_elements, density):
 
 
 def time_method(name, num_elements, density, grads, repeats):
-  state, run = vmapped_update(name, num_elements, density)
-  (state, _), times, queued = timed_steps(
-      lambda carry: run(carry[0], grads), (state, None), repeats)
+  with loops_if(name):  # the step is traced at its first call
+    state, run = vmapped_update(name, num_elements, density)
+    (state, _), times, queued = timed_steps(
+        lambda carry: run(carry[0], grads), (state, None), repeats)
   result = timing(times, queued, per=WORKERS)
   if name not in ("floor", "topk_ef"):
     stats = exdyna_jax.get_stats(state)
@@ -181,55 +163,69 @@ def copy_bandwidth(num_elements, repeats):
   return 8 * WORKERS * num_elements / queued
 
 
-def train_step(name, layers, density):
-  """``(init, step)``: the 8 workers' jitted ``init(params)`` and train step.
+def check_kernels(num_elements, density, grads):
+  """The kernels against the loops on this device.
 
-  ``step((params, opt_state), batch)`` donates and returns both. Every
-  worker computes its gradient on its share of the batch; ``compute`` has
-  no exchange (the workers' SGD updates are averaged on the one device,
-  which is not a collective), the others chain the method with SGD.
+  ``passes``: whether `_selection.count_in_range` and `select_in_range` give
+  the same counts, largest magnitude, indices and pass count on worker 0's
+  gradient for a few ranges. Per method, `CHECK_STEPS` steps of the
+  8 workers: ``bit_for_bit`` (every state and update the same),
+  ``transmitted_equal`` (the indices sent each step) and the largest
+  relative difference of the thresholds.
   """
-  tx = optax.sgd(0.01)
-  if name != "compute":
-    tx = optax.chain(_common.make_tx(name, density, WORKERS), tx)
+  result = {"passes": check_passes(grads[0])}
+  for name in ("exdyna", "exdyna_reference", "micro"):
+    runs = []
+    for loops in (False, True):
+      with loops_if("_loops" if loops else name):
+        state, run = vmapped_update(name, num_elements, density)
+        steps = []
+        for step in range(CHECK_STEPS):
+          state, update = run(state, grads * (1.0 + 0.1 * step))
+          steps.append(jax.device_get((state, update)))  # the next step donates the state
+        runs.append(steps)
+    kernels, loops = runs
+    thresholds = [(a.stats.threshold[0], b.stats.threshold[0]) for (a, _), (b, _) in runs_zip(runs)]
+    result[name] = {
+        "bit_for_bit": all(jax.tree.leaves(jax.tree.map(
+            lambda a, b: bool((a == b).all()), kernels, loops))),
+        "transmitted_equal": all(
+            (a.stats.transmitted == b.stats.transmitted).all() for (a, _), (b, _) in
+            runs_zip(runs)),
+        "threshold_max_relative_difference": max(
+            float(abs(a - b) / b) for a, b in thresholds),
+    }
+    print(f"{name}: kernels against loops: {result[name]}", file=sys.stderr, flush=True)
+  return result
 
-  def per_worker(params, opt_state, batch):
-    grads = jax.grad(tasks.mlp_loss)(params, batch)
-    return tx.update(grads, opt_state, params)
 
-  workers = jax.vmap(per_worker, in_axes=(None, 0, 0), axis_name=AXIS, axis_size=WORKERS)
-
-  def step(carry, batch):
-    params, opt_state = carry
-    updates, opt_state = workers(params, opt_state, batch)
-    # Identical on every worker after the exchange; compute's are averaged here.
-    updates = jax.tree.map(lambda u: jnp.mean(u, axis=0), updates)
-    return optax.apply_updates(params, updates), opt_state
-
-  init = jax.vmap(lambda params, _: tx.init(params), in_axes=(None, 0), axis_name=AXIS)
-  return jax.jit(lambda params: init(params, jnp.arange(WORKERS))), jax.jit(
-      step, donate_argnums=0)
+def runs_zip(runs):
+  return zip(*runs, strict=True)
 
 
-def train_rows(layers, density, repeats):
-  """Median seconds of the whole 8-worker train step, per `TRAIN_METHODS`."""
-  params = tasks.init_mlp(jax.random.key(0), layers)
-  num_params = sum(x.size for x in jax.tree.leaves(params))
-  key_x, key_y = jax.random.split(jax.random.key(1))
-  batch = (jax.random.normal(key_x, (WORKERS, TRAIN_BATCH, layers[0])),
-           jax.random.randint(key_y, (WORKERS, TRAIN_BATCH), 0, layers[-1]))
-  rows = {"parameters": num_params, "layers": list(layers), "workers": WORKERS,
-          "batch_per_worker": TRAIN_BATCH, "density": density}
-  for name in TRAIN_METHODS:
-    init, step = train_step(name, layers, density)
-    carry = (jax.tree.map(jnp.copy, params), init(params))
-    _, times, queued = timed_steps(functools.partial(step, batch=batch), carry, repeats)
-    rows[name] = timing(times, queued)
-    print(f"train {num_params:,} params {name}: {1e3 * rows[name]['seconds']:.3f} ms",
-          file=sys.stderr, flush=True)
-  for name in TRAIN_METHODS[1:]:
-    rows[f"{name}_over_compute"] = rows[name]["seconds"] / rows["compute"]["seconds"]
-  return rows
+def check_passes(accumulated):
+  """Whether the kernels' passes over a range give the loops' results on ``accumulated``."""
+  num_elements = accumulated.shape[0]
+  chunk = _selection.chunk_length(num_elements, WORKERS)
+  scale = float(jnp.max(jnp.abs(accumulated)))
+  thresholds = scale * jnp.linspace(0.5, 0.9, 27, dtype=jnp.float32)
+
+  def passes(begin, end):
+    counts = _selection.count_in_range(accumulated, begin, end, thresholds, chunk=chunk)
+    selection = _selection.select_in_range(
+        accumulated, thresholds[0], begin, end, capacity=4096, chunk=chunk, fallback_offset=0)
+    return counts, selection
+
+  ranges = [(0, num_elements), (num_elements // 7, num_elements // 2),
+            (num_elements - num_elements // 50, num_elements)]
+  same = True
+  for begin, end in ranges:
+    results = []
+    for name in ("kernels", "_loops"):
+      with loops_if(name):
+        results.append(jax.device_get(jax.jit(passes)(jnp.int32(begin), jnp.int32(end))))
+    same &= all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), *results)))
+  return bool(same)
 
 
 def profile_methods(trace_root, num_elements, density, grads, methods):
@@ -237,14 +233,15 @@ def profile_methods(trace_root, num_elements, density, grads, methods):
   and the optimised HLO of each step under ``trace_root/<method>``."""
   profiles = {}
   for name in methods:
-    state, run = vmapped_update(name, num_elements, density)
-    state = jax.block_until_ready(run(state, grads))[0]  # compiled
     directory = pathlib.Path(trace_root) / name
-    with jax.profiler.trace(str(directory), create_perfetto_trace=True):
-      for _ in range(PROFILE_STEPS):
-        state, _ = run(state, grads)
-      state = jax.block_until_ready(state)
-    hlo = run.lower(state, grads).compile().as_text()
+    with loops_if(name):
+      state, run = vmapped_update(name, num_elements, density)
+      state = jax.block_until_ready(run(state, grads))[0]  # compiled
+      with jax.profiler.trace(str(directory), create_perfetto_trace=True):
+        for _ in range(PROFILE_STEPS):
+          state, _ = run(state, grads)
+        state = jax.block_until_ready(state)
+      hlo = run.lower(state, grads).compile().as_text()
     (directory / "step.hlo.txt").write_text(hlo)
     profiles[name] = with_sources(busiest_operations(directory, PROFILE_STEPS), hlo)
   return profiles
@@ -294,10 +291,16 @@ def main(argv=None):
   parser.add_argument("--methods", default=",".join(METHODS),
                       help="comma-separated subset (exdyna, topk_ef and floor give the ratios)")
   parser.add_argument("--train", action="store_true", help="also time the whole train step")
+  parser.add_argument("--gpt", action="store_true",
+                      help="also time the train step of a GPT-like transformer")
+  parser.add_argument("--check", action="store_true",
+                      help="also check that the kernels and the loops give the same run")
   parser.add_argument("--chunk-scales", default=None, metavar="S,S,...",
                       help="also time exdyna at these multiples of the chunk length")
   parser.add_argument("--profile", default=None, metavar="DIR",
-                      help="also trace each method at the target size into DIR")
+                      help="also trace methods at the target size into DIR")
+  parser.add_argument("--profile-methods", default="exdyna",
+                      help="comma-separated methods to trace (default: exdyna)")
   args = parser.parse_args(argv)
   methods = args.methods.split(",")
   unknown = set(methods) - set(METHODS) or {"exdyna", "topk_ef", "floor"} - set(methods)
@@ -323,6 +326,9 @@ def main(argv=None):
                 "(the whole step / 8); jitted, state donated",
       "rows": [],
   }
+  def save():  # after every part: a run cut short keeps what it measured
+    out.write_text(json.dumps(result, indent=1) + "\n")
+
   for number, (num_elements, density) in enumerate(grid):
     row, grads = grid_row(num_elements, density, methods, args.repeats)
     result["rows"].append(row)
@@ -330,17 +336,30 @@ def main(argv=None):
       result.update(at={"elements": num_elements, "density": density},
                     exdyna_over_floor=row["exdyna_over_floor"],
                     topk_over_exdyna=row["topk_over_exdyna"])
+    save()
+    if number == 0:
+      if args.check:
+        result["kernels_against_loops"] = check_kernels(num_elements, density, grads)
+        save()
       if args.chunk_scales:
         result["chunk_scales"] = chunk_rows(
             num_elements, density, grads, [int(x) for x in args.chunk_scales.split(",")],
             args.repeats)
-      if args.profile:
-        result["profile"] = profile_methods(args.profile, num_elements, density, grads, methods)
+        save()
       if args.train:
-        result["train"] = train_rows(QUICK_TRAIN_LAYERS if args.quick else TRAIN_LAYERS,
-                                     density, args.repeats)
+        result["train"] = _gpu_train.train_rows(
+            _gpu_train.QUICK_TRAIN_LAYERS if args.quick else _gpu_train.TRAIN_LAYERS, density,
+            args.repeats)
+        save()
+      if args.gpt:
+        result["gpt"] = {}
+        _gpu_train.gpt_rows(_gpu_train.QUICK_GPT if args.quick else _gpu_train.GPT,
+                            args.repeats, result["gpt"], save=save)
+      if args.profile:
+        result["profile"] = profile_methods(
+            args.profile, num_elements, density, grads, args.profile_methods.split(","))
+        save()
     del grads
-    out.write_text(json.dumps(result, indent=1) + "\n")  # after every row: partial results
   print(json.dumps({k: result[k] for k in ("device", "exdyna_over_floor", "topk_over_exdyna")}))
   return result
 

@@ -253,28 +253,38 @@ def test_probe_counts_in_many_chunks_change_nothing(adaptive_run, runner, monkey
 @pytest.mark.parametrize("name", ["exdyna", "micro"])
 def test_a_step_loops_only_over_the_partition(name):
   """A GPU drives every loop iteration (and reads every conditional's predicate)
-  from the host. A step keeps two loops, the probe count and the selection over
-  the worker's own partition, and two conditionals, the guard's count of bad
-  elements (its loop runs only on a skipped step) and its switch; searches over
-  sorted arrays are unrolled. On a GPU each of the two loops runs its first
-  chunks unrolled, ahead of it (`_selection.over_chunks`)."""
+  from the host. On a CPU a step keeps two loops, the probe count and the
+  selection over the worker's own partition; on an NVIDIA GPU those passes are
+  three Pallas kernels (`_range_kernels`: the probe count and the selection's
+  two) and no loop is left outside the guard's
+  count of bad elements (a loop that runs only on a skipped step). Both keep
+  two conditionals, that count and the guard's switch; searches over sorted
+  arrays are unrolled."""
   tx = exdyna_jax.get_sparsifier(name, density=0.001, axis_name="data")
   params = jnp.zeros(200_000)
   state = jax.vmap(lambda _: tx.init(params), axis_name="data")(jnp.arange(8))
   step = jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="data")
   jaxpr = jax.make_jaxpr(step)(jnp.ones((8, 200_000)), state).jaxpr
-  scans = {}
-  for platform in ("cuda", "cpu"):
-    equations = list(harness.all_equations(jaxpr, platform))
-    primitives = [eqn.primitive.name for eqn in equations]
-    assert primitives.count("while") == 2 and primitives.count("cond") == 2
-    for eqn in equations:
+  for platform, loops, pallas_calls in (("cpu", 2, 0), ("cuda", 0, 3)):
+    outer, inside_kernels = [], []
+    for eqn in harness.all_equations(jaxpr, platform):
+      if eqn.primitive.name == "pallas_call":
+        inside_kernels.append(eqn)
       skipped = _guard.SKIPPED_STEP_SCOPE in str(eqn.source_info.name_stack)
+      if not skipped and not in_kernel(eqn, inside_kernels):
+        outer.append(eqn)
       if eqn.primitive.name == "scan" and not skipped:
         unroll, length = eqn.params["unroll"], eqn.params["length"]
         assert unroll is True or unroll >= length, eqn.params
-    scans[platform] = primitives.count("scan")
-  assert scans["cuda"] == scans["cpu"] + 2
+    primitives = [eqn.primitive.name for eqn in outer]
+    assert primitives.count("while") == loops, platform
+    assert primitives.count("cond") == 2 and len(inside_kernels) == pallas_calls, platform
+
+
+def in_kernel(eqn, kernels):
+  """Whether ``eqn`` belongs to the body of one of the ``kernels`` (pallas_call equations)."""
+  return any(any(eqn is inner for inner in harness.all_equations(kernel.params["jaxpr"], "cuda"))
+             for kernel in kernels)
 
 
 def test_overflow_stays_in_the_residual():

@@ -12,7 +12,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from benchmarks import _gpu_profile, gpu
+from benchmarks import _gpu_profile, _gpu_train, gpu
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -43,10 +43,27 @@ def test_quick_train_step_times_every_method(tmp_path):
   gpu.main(["--quick", "--repeats", "1", "--out", str(out), "--methods", "exdyna,topk_ef,floor",
             "--train"])
   train = json.loads(out.read_text())["train"]
-  layers = gpu.QUICK_TRAIN_LAYERS
+  layers = _gpu_train.QUICK_TRAIN_LAYERS
   assert train["parameters"] == sum(a * b + b for a, b in itertools.pairwise(layers))
-  for name in gpu.TRAIN_METHODS:
+  for name in _gpu_train.TRAIN_METHODS:
     assert train[name]["seconds"] > 0, name
+
+
+def test_the_gpt_has_85m_parameters_and_starts_at_the_uniform_loss():
+  """The GPT of ``--gpt``: 12 blocks of 12 d^2 weights and two norms, the byte
+  embedding (tied to the output) and the positions; at initialisation it
+  predicts about uniformly over 256 bytes."""
+  config = _gpu_train.GPT
+  shapes = jax.eval_shape(lambda: _gpu_train.init_gpt(jax.random.key(0), **config))
+  width = config["width"]
+  expected = (config["layers"] * (12 * width**2 + 2 * width)
+              + (config["vocab"] + config["context"] + 1) * width)
+  assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) == expected == 85_347_072
+  quick = _gpu_train.QUICK_GPT
+  params = _gpu_train.init_gpt(jax.random.key(0), **quick)
+  tokens = jax.random.randint(jax.random.key(1), (2, quick["context"] + 1), 0, quick["vocab"])
+  loss = _gpu_train.gpt_loss(params, tokens, quick["heads"])
+  assert abs(float(loss) - math.log(quick["vocab"])) < 0.05
 
 
 def test_profile_summary_names_each_kernel_and_where_it_came_from(tmp_path):

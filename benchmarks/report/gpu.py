@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from benchmarks.report._format import Report, short, table
 
-UPDATE_METHODS = ("exdyna", "exdyna_reference", "micro", "topk_ef", "floor")
+UPDATE_METHODS = ("exdyna", "exdyna_loops", "exdyna_unguarded", "exdyna_reference", "micro",
+                  "topk_ef", "floor")
 PROFILE_ITEMS = 8
 
 
@@ -49,8 +50,12 @@ def gpu_section(rep: Report, gpu: dict | None) -> None:
               [[scale, f"{row['chunk']:,}", f"{1e3 * row['seconds']:.3f}"]
                for scale, row in gpu["chunk_scales"].items()])
     )
+  if "kernels_against_loops" in gpu:
+    check_paragraph(rep, gpu["kernels_against_loops"])
   if "train" in gpu:
     train_table(rep, gpu["train"])
+  if "gpt" in gpu:
+    gpt_table(rep, gpu["gpt"])
   for thread, summary in gpu.get("profile", {}).get("exdyna", {}).items():
     rep.add(
       f"Profile of `exdyna` at the target ({thread}): "
@@ -64,6 +69,7 @@ def gpu_section(rep: Report, gpu: dict | None) -> None:
                 f"{t['count_per_step']:g}", f"{t['us_per_step']:,.0f}"]
                for t in summary["top"][:PROFILE_ITEMS]])
     )
+  gaps_paragraph(rep, gpu.get("profile", {}))
 
 
 def train_table(rep: Report, train: dict) -> None:
@@ -78,3 +84,58 @@ def train_table(rep: Report, train: dict) -> None:
             [[n, f"{1e3 * train[n]['seconds']:.2f}",
               f"{train[n]['seconds'] / train['compute']['seconds']:.2f}"] for n in names])
   )
+
+
+def check_paragraph(rep: Report, check: dict) -> None:
+  methods = [m for m in ("exdyna", "exdyna_reference", "micro") if m in check]
+  rep.add(
+    "The Pallas kernels against the loops on this device (`--check`): the two passes on "
+    "one worker's gradient give the same counts, largest magnitude, indices and pass "
+    f"count: **{check['passes']}**; over four steps of the 8 workers:\n\n"
+    + table(["method", "every state and update the same", "indices sent the same each step",
+             "largest threshold difference"],
+            [[m, check[m]["bit_for_bit"], check[m]["transmitted_equal"],
+              f"{check[m]['threshold_max_relative_difference']:.1e}"] for m in methods])
+  )
+  rep.target("GPU: the kernels' results equal the loops' (reference rule bit for bit, "
+             "adaptive: the indices sent)", "equal",
+             "equal" if check["passes"] and check["exdyna_reference"]["bit_for_bit"]
+             and check["exdyna"]["transmitted_equal"] else "differ",
+             check["passes"] and check["exdyna_reference"]["bit_for_bit"]
+             and check["exdyna"]["transmitted_equal"])
+
+
+def gpt_table(rep: Report, gpt: dict) -> None:
+  names = [k for k, v in gpt.items() if isinstance(v, dict)]
+  rep.add(
+    f"The train step of a GPT-like transformer: {gpt['layers']} layers, width "
+    f"{gpt['width']}, {gpt['heads']} heads, {gpt['vocab']} tokens, context {gpt['context']} "
+    f"({gpt['parameters']:,} parameters, causal attention in bfloat16), {gpt['workers']} "
+    f"workers under `vmap` with {gpt['sequences_per_worker']} sequences each, "
+    "`optax.chain(method, optax.adamw)` (`compute`: AdamW alone, the workers' updates "
+    "averaged on the device), params and state donated. `method@d`: the density; "
+    "`_loops`: the passes over the partition as XLA loops, as before the kernels; "
+    "`_unguarded`: a diagnostic with the guard's conditionals patched out.\n\n"
+    + table(["method", "ms per 8-worker step", "queued", "/ compute"],
+            [[n, f"{1e3 * gpt[n]['seconds']:.1f}", f"{1e3 * gpt[n]['queued_seconds']:.1f}",
+              f"{gpt[n]['seconds'] / gpt['compute']['seconds']:.2f}"] for n in names])
+  )
+  if "exdyna@0.001" in gpt:
+    ratio = gpt["exdyna@0.001"]["seconds"] / gpt["compute"]["seconds"]
+    rep.target("GPU: GPT train step, exdyna(0.001) / compute only", "<= 1.2", f"{ratio:.2f}",
+               ratio <= 1.2)
+
+
+def gaps_paragraph(rep: Report, profile: dict) -> None:
+  for name, threads in profile.items():
+    for thread, summary in threads.items():
+      if not summary.get("idle_gaps"):
+        continue
+      rep.add(
+        f"Where the device idles in `{name}`'s traced steps ({thread}; the span "
+        f"{summary['span_us_per_step']:,.0f} us against {summary['busy_us_per_step']:,.0f} "
+        "us busy per step): the longest idle stretches, by the operations around them.\n\n"
+        + table(["after", "before", "per step", "us per step"],
+                [[f"`{g['after'][:40]}`", f"`{g['before'][:40]}`", f"{g['count_per_step']:g}",
+                  f"{g['us_per_step']:,.0f}"] for g in summary["idle_gaps"][:4]])
+      )

@@ -6,23 +6,28 @@ fields), `count_in_range` counts a partition for many probe thresholds, and
 `select_in_range` keeps the lowest ``C`` passing indices of a partition from
 the bit masks of its first ``C`` non-empty rows (`first_nonzero`). Both read the range in
 chunks that start at its first element (`chunk_window`), so their cost
-follows the partition's length; on GPUs the first chunks run unrolled
-(`over_chunks`).
+follows the partition's length; on AMD GPUs the first chunks run unrolled
+(`over_chunks`), and on NVIDIA GPUs both passes are Pallas kernels instead
+(`_range_kernels`, on `KERNEL_PLATFORMS`), with the same results.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from exdyna_jax.selection import _range_kernels
+
 ROW = 32  # elements per row of the two-level compaction
 FIELD_BITS = 6  # a row of 32 elements has at most 32 passing: 6 bits
 FIELDS_PER_WORD = 5  # 5 x 6 bits fit an int32
 MIN_CHUNK = 1 << 16  # elements per iteration of `count_in_range`, at least
 UNROLLED_PLATFORMS = ("cuda", "rocm")  # where `over_chunks` unrolls: GPUs
+KERNEL_PLATFORMS = ("cuda",)  # where the passes over a range are Pallas kernels
 
 
 def row_counts(magnitudes: jax.Array, thresholds: jax.Array) -> jax.Array:
@@ -187,11 +192,32 @@ def count_in_range(
     counts = counts + jnp.sum(row_counts(magnitudes, thresholds), axis=0)
     return counts, jnp.maximum(largest, jnp.max(magnitudes))
 
-  # Zeros typed like the gradient (per worker under shard_map), so the loop
-  # carry has the type the body returns.
-  zero = jnp.zeros_like(accumulated, shape=())
-  carry = (jnp.zeros(thresholds.shape, jnp.int32) + zero.astype(jnp.int32), zero)
-  return over_chunks(num_chunks(begin, end, chunk), count_chunk, carry, unrolled=unrolled)
+  def loop(accumulated, begin, end, thresholds):
+    # Zeros typed like the gradient (per worker under shard_map), so the loop
+    # carry has the type the body returns.
+    zero = jnp.zeros_like(accumulated, shape=())
+    carry = (jnp.zeros(thresholds.shape, jnp.int32) + zero.astype(jnp.int32), zero)
+    return over_chunks(num_chunks(begin, end, chunk), count_chunk, carry, unrolled=unrolled)
+
+  def kernel(platform):
+    return functools.partial(
+        _range_kernels.count_in_range, chunk=chunk, interpret=platform == "cpu")
+
+  return on_kernel_platforms(kernel, loop, accumulated, begin, end, thresholds)
+
+
+def on_kernel_platforms(kernel: Callable[[str], Callable], loop: Callable,
+                        accumulated: jax.Array, *args: Any) -> Any:
+  """``kernel(platform)(accumulated, *args)`` on `KERNEL_PLATFORMS`, ``loop(...)`` elsewhere.
+
+  The Pallas kernels (`_range_kernels`) replace a pass's loop where the
+  vector is long enough for them; on a CPU (in tests) they run in Pallas'
+  interpreter.
+  """
+  if not _range_kernels.fits(accumulated.shape[0]):
+    return loop(accumulated, *args)
+  kernels = {platform: kernel(platform) for platform in KERNEL_PLATFORMS}
+  return jax.lax.platform_dependent(accumulated, *args, **kernels, default=loop)
 
 
 class Selection(NamedTuple):
@@ -318,19 +344,28 @@ def select_in_range(
     counts = jnp.sum(jax.lax.population_count(masks).astype(jnp.int32))
     return row_starts, kept_masks, filled + nonempty, passed + counts
 
-  # Zero typed like the gradient (per worker under shard_map), so the loop
-  # carry has the type the body returns even where the range is the same on
-  # every worker.
-  zero = jnp.zeros_like(accumulated, jnp.int32, shape=())
-  row_starts = jnp.full((capacity + take,), num_elements, jnp.int32) + zero
-  masks = jnp.zeros((capacity + take,), jnp.uint32) + zero.astype(jnp.uint32)
-  row_starts, masks, _, passed = over_chunks(
-      num_chunks(begin, end, chunk), scan_chunk, (row_starts, masks, zero, zero),
-      unrolled=unrolled)
+  def loop(accumulated, threshold, begin, end):
+    # Zero typed like the gradient (per worker under shard_map), so the loop
+    # carry has the type the body returns even where the range is the same on
+    # every worker.
+    zero = jnp.zeros_like(accumulated, jnp.int32, shape=())
+    row_starts = jnp.full((capacity + take,), num_elements, jnp.int32) + zero
+    masks = jnp.zeros((capacity + take,), jnp.uint32) + zero.astype(jnp.uint32)
+    row_starts, masks, filled, passed = over_chunks(
+        num_chunks(begin, end, chunk), scan_chunk, (row_starts, masks, zero, zero),
+        unrolled=unrolled)
+    return row_starts[:capacity], masks[:capacity], jnp.minimum(filled, capacity), passed
+
+  def kernel(platform):
+    return functools.partial(_range_kernels.first_rows, capacity=capacity, chunk=chunk,
+                             interpret=platform == "cpu")
+
+  row_starts, masks, kept, passed = on_kernel_platforms(
+      kernel, loop, accumulated, threshold, begin, end)
 
   # Slot s of the buffer: the kept row where the running count passes s, and
   # the set bit of the rank left in that row. Rows and bits ascend, so do slots.
-  row_starts, masks = row_starts[:capacity], masks[:capacity]
+  masks = jnp.where(jnp.arange(capacity) < kept, masks, jnp.uint32(0))
   per_row = jax.lax.population_count(masks).astype(jnp.int32)
   row_ends = jnp.cumsum(per_row)
   slots = jnp.arange(capacity, dtype=jnp.int32)

@@ -1,0 +1,78 @@
+"""How `benchmarks.gpu` times a jitted step, and the variants of the library it traces.
+
+A step is timed blocked on each call and queued (`timed_steps`). A method's
+name may end in ``_loops`` (the passes over the partition traced as XLA
+loops, as before the Pallas kernels) or ``_unguarded`` (a diagnostic: the
+guard's two conditionals patched out), which `loops_if` applies while the
+step is traced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import _common
+from exdyna_jax.selection import _selection
+from exdyna_jax.shell import _guard
+
+AXIS = "data"
+WORKERS = 8
+
+
+def timed_steps(step, carry, repeats):
+  """Runs ``carry = step(carry)`` 3 times to compile and warm up, then ``repeats``
+  times blocked on each, then ``repeats`` times queued (one block at the end).
+
+  Returns:
+    ``(carry, times, queued)``: the last carry, the seconds of each blocked
+    step (what a loop that reads every step's result gets: the host's
+    dispatch and the wait included) and the mean seconds of a queued one
+    (the device's throughput, where the host can run ahead).
+  """
+  for _ in range(3):
+    carry = step(carry)
+  carry, times = _common.blocked_seconds(step, jax.block_until_ready(carry), repeats)
+  start = time.perf_counter()
+  for _ in range(repeats):
+    carry = step(carry)
+  carry = jax.block_until_ready(carry)
+  return carry, times, (time.perf_counter() - start) / repeats
+
+
+def timing(times, queued, per=1):
+  """The JSON of `timed_steps`' times, each divided by ``per``."""
+  return {"seconds": statistics.median(times) / per, "min_seconds": min(times) / per,
+          "queued_seconds": queued / per}
+
+
+def loops_if(name):
+  """A context that traces the passes over the partition as XLA loops for ``*_loops`` names,
+  and the guard without its conditionals for ``*_unguarded`` ones (`unguarded_screen`)."""
+  if name.endswith("_unguarded"):
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(_guard, "screen", unguarded_screen))
+    stack.enter_context(mock.patch.object(
+        _guard, "skip_if_nonfinite", lambda screened, step, args, *_, **__: step(*args)))
+    return stack
+  if not name.endswith("_loops"):
+    return contextlib.nullcontext()
+  return mock.patch.object(_selection, "KERNEL_PLATFORMS", ())
+
+
+def unguarded_screen(values, stats, num_workers, axis_name, *, layout=0):
+  """`_guard.screen`'s pass and ``psum`` without its conditional count (a diagnostic)."""
+  del stats, num_workers
+  total = sum(jnp.sum(leaf, dtype=jnp.float32) for leaf in jax.tree.leaves(values))
+  tripped = jax.lax.psum((~jnp.isfinite(total)).astype(jnp.int32), axis_name)
+  return _guard.Screen(tripped, jnp.bool_(False), jnp.int32(layout))
+
+
+def method_of(name):
+  """The registered method a benchmark name runs (``exdyna_loops`` runs ``exdyna``)."""
+  return name.removesuffix("_loops").removesuffix("_unguarded")
