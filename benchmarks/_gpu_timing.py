@@ -3,8 +3,8 @@
 A step is timed blocked on each call and queued (`timed_steps`). A method's
 name may end in ``_loops`` (the passes over the partition traced as XLA
 loops, as before the Pallas kernels) or ``_unguarded`` (a diagnostic: the
-guard's two conditionals patched out), which `loops_if` applies while the
-step is traced.
+guard patched out, its screen's sum and ``psum`` kept: no conditional, no
+select), which `loops_if` applies while the step is traced.
 """
 
 from __future__ import annotations
@@ -66,11 +66,12 @@ def loops_if(name):
 
 
 def unguarded_screen(values, stats, num_workers, axis_name, *, layout=0):
-  """`_guard.screen`'s pass and ``psum`` without its conditional count (a diagnostic)."""
+  """A sum over the values and its ``psum``, as `_guard.screen`'s on a CPU, without its
+  conditional count (a diagnostic)."""
   del stats, num_workers
   total = sum(jnp.sum(leaf, dtype=jnp.float32) for leaf in jax.tree.leaves(values))
   tripped = jax.lax.psum((~jnp.isfinite(total)).astype(jnp.int32), axis_name)
-  return _guard.Screen(tripped, jnp.bool_(False), jnp.int32(layout))
+  return _guard.Screen(tripped, jnp.bool_(False), jnp.int32(layout), jnp.int32(0))
 
 
 def method_of(name):

@@ -14,9 +14,9 @@ exdyna_loops        ``exdyna(d)`` with the passes over the partition as XLA
                     loops (`_selection.KERNEL_PLATFORMS` emptied), as before
                     the Pallas kernels: the same results, another program
 exdyna_unguarded    a diagnostic, not a method to use: ``exdyna(d)`` with the
-                    guard's two conditionals patched out (the screen's sum
-                    and ``psum`` stay; the step always runs), to measure
-                    what waiting for their predicates costs
+                    guard patched out (a sum over the gradient and its
+                    ``psum`` stay; no conditional, no select), to measure
+                    what the guard's conditionals cost
 exdyna_reference    ``exdyna(d, controller="reference")``
 micro               ``micro(d)``
 topk_ef             a plain error-feedback step with ``lax.top_k``: read

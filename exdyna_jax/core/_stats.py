@@ -68,8 +68,9 @@ class SparsifierStats(NamedTuple):
       ``g``, summed over all workers. When it is nonzero every
       worker skipped that step: the update was zero and every other field,
       the residual included, kept its value from the step before. (The
-      ``psum`` of two int32 flags behind it, and on a skipped step the
-      count's, are counted in ``bytes_sent``.)
+      screen's ``psum`` of two int32 behind it, on a CPU a skipped step's
+      count too, and a skipped step's exchange, which runs and is dropped,
+      are counted in ``bytes_sent``.)
     skipped_steps: int32 steps skipped so far because of non-finite
       gradients (they are not counted in ``step``).
     num_workers: int32 the number of workers the state was initialized for.

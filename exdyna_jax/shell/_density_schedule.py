@@ -19,11 +19,11 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 from exdyna_jax.core import _collectives, _options, _stats
 from exdyna_jax.exchange import _exchange
-from exdyna_jax.shell import _guard
 
 # (accumulated [N], state, n) -> (aggregated update, new state): one level's step.
 StepFn = Callable[[jax.Array, Any, int], tuple[_exchange.SparseUpdate, Any]]
@@ -153,7 +153,7 @@ def scheduled_step(
 
   def step(accumulated, state, num_workers):
     num_elements = accumulated.shape[0]
-    recorded = [  # each level's step traced once, replayed in its branch (`_guard.replay`)
+    recorded = [  # each level's step traced once, replayed in its branch (`replay`)
         None if s is None else jax.make_jaxpr(
             lambda s=s: s(accumulated, state, num_workers), return_shape=True)()
         for s in steps
@@ -180,7 +180,7 @@ def scheduled_step(
 
     def sparse_branch(record):
       def run():
-        sparse, new_state = _guard.replay(*record)()
+        sparse, new_state = replay(*record)()
         return padded(sparse), new_state._replace(residual=None)
 
       return run
@@ -206,3 +206,15 @@ def scheduled_step(
     return sparse, new_state._replace(residual=state.residual)
 
   return step
+
+
+def replay(program: Any, shapes: Any) -> Callable[[], Any]:
+  """``fn``'s output again, from ``jax.make_jaxpr(fn, return_shape=True)()``'s pair.
+
+  A branch of a ``lax.switch`` whose output shapes another branch needs
+  first: recording ``fn`` once and replaying its program runs none of the
+  method's Python a second time (an ``eval_shape`` and the branch would
+  trace it twice).
+  """
+  return lambda: jax.tree.unflatten(
+      jax.tree.structure(shapes), jax.extend.core.jaxpr_as_fun(program)())

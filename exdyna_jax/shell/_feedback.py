@@ -122,11 +122,26 @@ def error_feedback_transform(
           skipped=lambda shapes: _exchange.SparseUpdate.nothing(
               shapes, layout.num_elements, axis_name))
       sparse = keep_what_rounding_loses(sparse, layout)
-      update, residual = sparse.dense(layout.num_elements), sparse.clear(accumulated)[0]
+      update, residual = sparse.dense(layout.num_elements), cleared(sparse, accumulated)[0]
     new_state = new_state._replace(residual=residual, leaves_seen=state.leaves_seen)
     return _layout.resharded_like(_layout.unflatten(update, layout), given), new_state
 
   return _collectives.Sparsifier(init_fn, update_fn, axis_name)
+
+
+def cleared(sparse: _exchange.SparseUpdate, accumulated: jax.Array) -> jax.Array:
+  """``sparse.clear(accumulated)``, ordered after every read of ``accumulated``.
+
+  The clear writes into ``a`` in place (the new residual takes the old
+  one's buffer), so every read of ``a`` must come before it, the gather of
+  the values at the indices too; nothing else orders that gather before the
+  clear, and XLA copies ``a`` where it cannot prove the order. What the
+  clear writes is made to depend on the values: ``min(|v|, 0)`` is 0 for
+  every value but NaN, and XLA cannot fold it.
+  """
+  after_values = jnp.minimum(jnp.abs(sparse.values.astype(jnp.float32)), 0.0)
+  kept = after_values if sparse.kept is None else sparse.kept + after_values
+  return sparse._replace(kept=kept).clear(accumulated)
 
 
 def keep_what_rounding_loses(

@@ -4,14 +4,18 @@ If the gradient ``g`` of *any* worker holds a NaN or an infinity, *every*
 worker skips the step: the update is zero and the residual, threshold,
 partitions and step counter keep their previous values; ``stats.nonfinite``
 counts the bad elements over all workers and ``stats.skipped_steps`` the
-skipped steps. One ``psum`` of two int32 flags decides it (`screen`), so all
-workers take the same branch and the collectives stay matched (a per-worker
-decision, as ``optax.apply_if_finite`` makes, would desynchronise them); the
-bad elements are counted only on a step that has some. A state that does
-not fit stops the step with an error on the host: its recorded worker count
-is not the axis size (a restore cut or padded its worker axis to fit), or
-it records the layout of another gradient tree (leaves renamed or
-reordered since a checkpoint). Both decisions share one ``lax.switch``.
+skipped steps. One ``psum`` decides it (`screen`), so all workers decide
+alike and the collectives stay matched (a per-worker decision, as
+``optax.apply_if_finite`` makes, would desynchronise them). The step itself
+always runs (on the residual alone when the gradient is bad: the shell
+forms ``a = m``) and a skipped step's results are dropped by a select, so
+no conditional waits on the screen before the step: a GPU reads a
+conditional's predicate back to the host before it launches the branch. A
+state that does not fit stops the step with an error on the host: its
+recorded worker count is not the axis size (a restore cut or padded its
+worker axis to fit), or it records the layout of another gradient tree
+(leaves renamed or reordered since a checkpoint); that conditional comes
+after the step.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax import P
@@ -40,27 +43,25 @@ class Screen(NamedTuple):
     misfit: bool, whether any worker's state records another worker count
       or another layout.
     layout: int32 the values' `_layout.fingerprint` (0: not checked).
+    bytes_sent: int32 what the screen sent (its ``psum``; a CPU's count of
+      a bad step's elements too).
   """
 
   nonfinite: jax.Array
   misfit: jax.Array
   layout: jax.Array
+  bytes_sent: jax.Array
 
 
 def screen(values: Any, stats: _stats.SparsifierStats, num_workers: int, axis_name: str, *,
            layout: int = 0) -> Screen:
-  """Screens every worker's ``values`` for NaN and infinity, and whether its state fits.
+  """Counts every worker's NaN and infinite ``values``, and whether its state fits.
 
-  A NaN or an infinity makes the sum of the values non-finite: one read-only
-  pass screens them (a plain sum: on CPU, ``sum(values * 0)``, which could
-  not overflow, takes twice as long). One ``psum`` of two int32 flags then
-  tells every worker the same answer, and only where some worker's sum is
-  not finite are the bad elements counted (`count_nonfinite`, in the name
-  scope `SKIPPED_STEP_SCOPE`: a second ``psum``; where finite values
-  overflowed the sum the count is 0 and the step goes on). The predicates
-  are the same on every worker, so under ``jax.vmap`` too the conditionals
-  stay conditionals (a per-worker predicate would make one a select that
-  runs every branch: the count on every step).
+  One read-only pass and one ``psum`` of two int32 words tell every worker
+  the same answer. On a GPU the pass counts the bad elements
+  (`_count_by_count`); on a CPU, where a count takes several times longer
+  than a sum, it sums the values and counts only where some worker's sum is
+  not finite (`_count_by_sum`).
 
   Args:
     values: this worker's array, or pytree of arrays.
@@ -75,18 +76,49 @@ def screen(values: Any, stats: _stats.SparsifierStats, num_workers: int, axis_na
   Returns:
     The `Screen`.
   """
+  other_layout = (layout != 0) & (stats.layout != 0) & (stats.layout != layout)
+  misfit = ((stats.num_workers != num_workers) | other_layout).astype(jnp.int32)
+  nonfinite, misfits, sent = jax.lax.platform_dependent(
+      values, misfit, cpu=functools.partial(_count_by_sum, axis_name=axis_name),
+      default=functools.partial(_count_by_count, axis_name=axis_name))
+  flag_bytes = _collectives.ring_all_reduce_bytes(num_workers, 2 * _collectives.INDEX_BYTES)
+  count_bytes = _collectives.ring_all_reduce_bytes(num_workers, _collectives.INDEX_BYTES)
+  return Screen(nonfinite, misfits > 0, jnp.int32(layout), flag_bytes + sent * count_bytes)
+
+
+def _count_by_count(values: Any, misfit: jax.Array, *, axis_name: str
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`screen`'s pass as a count: ``(nonfinite, misfits, 0)`` (no second ``psum``)."""
+  local = sum((jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32) for leaf in jax.tree.leaves(values)),
+              jnp.int32(0))
+  nonfinite, misfits = jax.lax.psum(jnp.stack([local, misfit]), axis_name)
+  return nonfinite, misfits, jnp.int32(0)
+
+
+def _count_by_sum(values: Any, misfit: jax.Array, *, axis_name: str
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`screen`'s pass as a sum: ``(nonfinite, misfits, 1 where the count was sent)``.
+
+  A NaN or an infinity makes the sum of the values non-finite (a plain sum:
+  on CPU, ``sum(values * 0)``, which could not overflow, takes twice as
+  long). Only where some worker's sum is not finite are the bad elements
+  counted (`count_nonfinite`, in the name scope `SKIPPED_STEP_SCOPE`: a
+  second ``psum``); where finite values overflowed the sum the count is 0
+  and the step goes on. The predicate is the same on every worker, so under
+  ``jax.vmap`` too the conditional stays one (a per-worker predicate would
+  make it a select that counts on every step).
+  """
   total = sum((jnp.sum(leaf, dtype=jnp.float32) for leaf in jax.tree.leaves(values)),
               jnp.float32(0))
-  other_layout = (layout != 0) & (stats.layout != 0) & (stats.layout != layout)
-  flags = jnp.stack([~jnp.isfinite(total), (stats.num_workers != num_workers) | other_layout])
-  tripped, misfit = jax.lax.psum(flags.astype(jnp.int32), axis_name)
+  flags = jnp.stack([(~jnp.isfinite(total)).astype(jnp.int32), misfit])
+  tripped, misfits = jax.lax.psum(flags, axis_name)
 
   def count():
     with jax.named_scope(SKIPPED_STEP_SCOPE):
       return count_nonfinite(values, axis_name)
 
   nonfinite = jax.lax.cond(tripped > 0, count, lambda: jnp.zeros((), jnp.int32))
-  return Screen(nonfinite, misfit > 0, jnp.int32(layout))
+  return nonfinite, misfits, (tripped > 0).astype(jnp.int32)
 
 
 def count_nonfinite(values: Any, axis_name: str) -> jax.Array:
@@ -193,18 +225,6 @@ def on_host(callback: Callable[..., None], *args: jax.Array) -> None:
                 axis_names=explicit, check_vma=False)(*args)
 
 
-def replay(program: Any, shapes: Any) -> Callable[[], Any]:
-  """``fn``'s output again, from ``jax.make_jaxpr(fn, return_shape=True)()``'s pair.
-
-  A branch of a ``lax.switch`` whose output shapes another branch needs
-  first: recording ``fn`` once and replaying its program runs none of the
-  method's Python a second time (an ``eval_shape`` and the branch would
-  trace it twice).
-  """
-  return lambda: jax.tree.unflatten(
-      jax.tree.structure(shapes), jax.extend.core.jaxpr_as_fun(program)())
-
-
 def skip_if_nonfinite(
     screened: Screen,
     step: Callable[..., tuple[Any, Any]],
@@ -218,24 +238,23 @@ def skip_if_nonfinite(
 ) -> tuple[Any, Any]:
   """The non-finite policy, shared by every method: skip the step on all workers.
 
-  ``step`` runs inside a ``lax.switch``, so a finite step costs nothing extra
-  and a skipped one does no work. The `Screen` is the same on every worker,
-  so all of them take the same branch and the collectives inside ``step``
-  stay matched. The same switch stops a state that does not fit
-  (`raise_if_state_does_not_fit`, on the host): its recorded worker
-  count is not ``n`` (its arrays were cut or padded to fit) or it records
-  another tree's layout; stepping it would silently lose or misplace
-  residuals.
+  ``step`` always runs, and where the `Screen` found a bad element (on any
+  worker: it is the same on every one) its output and state are replaced by
+  the ``skipped`` output and ``state``: selects on the small results, so a
+  finite step waits on no conditional. A state that does not fit
+  (`raise_if_state_does_not_fit`: its recorded worker count is not ``n``,
+  or it records another tree's layout; stepping it would silently lose or
+  misplace residuals) is stopped on the host, in a conditional that waits
+  for the step's output, and its results are dropped too.
 
   Args:
     screened: the `screen` of this step's gradients and of the state.
     step: ``(*args) -> (output, new_state)``, the step proper; ``new_state``
       has the structure of ``state``.
-    args: what ``step`` is called with.
+    args: what ``step`` is called with (finite on a skipped step too).
     state: the method's state before the step (a ``NamedTuple`` with
       ``stats``): a skipped step leaves it as it is.
-    num_workers: ``n``, to price the screen's ``psum`` in ``stats.bytes_sent``
-      and to name in the message.
+    num_workers: ``n``, to name in the message.
     axis_name: the data-parallel axis, for the message.
     skipped: maps the shapes of ``step``'s output (``jax.ShapeDtypeStruct``
       leaves) to the output of a skipped step; by default zeros.
@@ -247,50 +266,57 @@ def skip_if_nonfinite(
     ``skipped`` output and ``state``. Either way the state's ``stats.step`` counts the steps
     taken (the only place it is advanced), ``stats.nonfinite`` is set to
     ``screened.nonfinite``, ``stats.skipped_steps`` counts the skipped steps,
-    ``stats.bytes_sent`` includes the screen's ``psum`` (and a skipped step's
-    count, all it sends besides), and the running totals add this step's
+    ``stats.bytes_sent`` is what the step and the screen sent (a skipped
+    step's exchange runs too), and the running totals add this step's
     figures (a skipped step's bytes only); ``stats.layout`` records
     ``screened.layout``.
   """
-  skip, previous_stats = screened.nonfinite > 0, state.stats
   if skipped is None:
     skipped = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype))
+  output, ran = step(*args)
+  stop_if_misfit(screened, output, state.stats, num_workers=num_workers, axis_name=axis_name,
+                 leaves=leaves)
+  drop = (screened.nonfinite > 0) | screened.misfit
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), output)
+  output = jax.tree.map(lambda none, x: jnp.where(drop, none, x), skipped(shapes), output)
+  new_state = jax.tree.map(lambda old, new: jnp.where(drop, old, new), state, ran)
+  return output, new_state._replace(
+      stats=guarded_stats(new_state.stats, ran.stats, state.stats, screened, drop))
 
-  # The skipping branches need the step's output shapes: record the step once and
-  # replay its program in the switch, rather than run the method's Python twice.
-  program, shapes = jax.make_jaxpr(functools.partial(step, *args), return_shape=True)()
-  taken, output_shapes = replay(program, shapes), shapes[0]
 
-  def skip_step():
-    silent = previous_stats._replace(bytes_sent=jnp.zeros_like(previous_stats.bytes_sent))
-    return skipped(output_shapes), state._replace(stats=silent)
+def stop_if_misfit(screened: Screen, output: Any, previous: _stats.SparsifierStats, *,
+                   num_workers: int, axis_name: str, leaves: str) -> None:
+  """`raise_if_state_does_not_fit` on the host where the `Screen` found a misfit.
 
-  def stop_misfit():  # raises on the host; no collective, like a skipped step
-    on_host(functools.partial(raise_if_state_does_not_fit, num_workers=num_workers,
-                              axis_name=axis_name, leaves=leaves),
-            previous_stats.num_workers, previous_stats.layout, screened.layout)
-    return skip_step()
+  Its conditional waits for the step's ``output``: a GPU reads the predicate
+  back to the host, and by then it has launched all of the step.
+  """
+  misfit, _ = jax.lax.optimization_barrier((screened.misfit, jax.tree.leaves(output)))
+  stop = functools.partial(raise_if_state_does_not_fit, num_workers=num_workers,
+                           axis_name=axis_name, leaves=leaves)
+  jax.lax.cond(misfit, functools.partial(
+      on_host, stop, previous.num_workers, previous.layout, screened.layout), lambda: None)
 
-  # One conditional for both checks (a GPU reads its predicate back once).
-  branch = jnp.where(screened.misfit, 2, skip.astype(jnp.int32))
-  output, new_state = jax.lax.switch(branch, (taken, skip_step, stop_misfit))
-  stats = new_state.stats
-  flag_bytes, count_bytes = (_collectives.ring_all_reduce_bytes(num_workers, size)
-                             for size in (2 * _collectives.INDEX_BYTES, _collectives.INDEX_BYTES))
-  guard_bytes = flag_bytes + skip * count_bytes
-  bytes_sent = _stats.add_bytes(stats.bytes_sent, guard_bytes)
-  done = branch == 0
-  stats = stats._replace(
+
+def guarded_stats(stats: _stats.SparsifierStats, ran: _stats.SparsifierStats,
+                  previous_stats: _stats.SparsifierStats, screened: Screen,
+                  dropped: jax.Array) -> _stats.SparsifierStats:
+  """The step's ``stats`` with the guard's fields: the step count, the bad elements, the bytes.
+
+  ``ran`` is what the step reported before a skipped step's fields were
+  dropped: its bytes were sent either way.
+  """
+  done = ~dropped
+  return stats._replace(
       step=previous_stats.step + done.astype(jnp.int32),  # the one place steps are counted
       nonfinite=screened.nonfinite,
-      skipped_steps=previous_stats.skipped_steps + skip.astype(jnp.int32),
-      bytes_sent=bytes_sent,
+      skipped_steps=previous_stats.skipped_steps + (screened.nonfinite > 0).astype(jnp.int32),
+      bytes_sent=_stats.add_bytes(ran.bytes_sent, screened.bytes_sent),
       num_workers=previous_stats.num_workers,
       layout=screened.layout,
       transmitted_total=_stats.add_to_total(
-          previous_stats.transmitted_total, done * stats.transmitted),
-      overflow_total=_stats.add_to_total(previous_stats.overflow_total, done * stats.overflow),
-      bytes_total=_stats.add_to_total(stats.bytes_total, guard_bytes),  # the step's added
-      target_total=_stats.add_to_total(previous_stats.target_total, done * stats.target),
+          previous_stats.transmitted_total, done * ran.transmitted),
+      overflow_total=_stats.add_to_total(previous_stats.overflow_total, done * ran.overflow),
+      bytes_total=_stats.add_to_total(ran.bytes_total, screened.bytes_sent),
+      target_total=_stats.add_to_total(previous_stats.target_total, done * ran.target),
   )
-  return output, new_state._replace(stats=stats)
