@@ -138,3 +138,14 @@ def test_the_step_lowers_for_nvidia_gpus_with_three_triton_kernels(monkeypatch):
   with mock.patch.object(_guard, "on_host", lambda *args: None):
     text = step.trace(grads).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 3
+
+
+@pytest.mark.parametrize(("capability", "kernels"), [("7.5", False), ("8.0", True), ("9.0", True)])
+def test_gpus_older_than_ampere_keep_the_loops(monkeypatch, capability, kernels):
+  """Pallas' Triton backend needs compute capability 8.0: a T4 (7.5) keeps the loops."""
+  class Device:
+    compute_capability = capability
+
+  monkeypatch.setattr(_selection, "KERNEL_PLATFORMS", ("cuda",))
+  monkeypatch.setattr(jax, "devices", lambda platform=None: [Device()] * 2)
+  assert _selection.kernel_platforms() == (("cuda",) if kernels else ())

@@ -1,4 +1,4 @@
-"""The two passes over a partition as Pallas kernels, for NVIDIA GPUs (Triton).
+"""The two passes over a partition as Pallas kernels, for NVIDIA GPUs (Triton, Ampere and newer).
 
 `_selection.count_in_range` and `_selection.select_in_range` read a
 worker's partition in chunks. XLA runs such a loop from the host: a GPU

@@ -28,6 +28,7 @@ FIELDS_PER_WORD = 5  # 5 x 6 bits fit an int32
 MIN_CHUNK = 1 << 16  # elements per iteration of `count_in_range`, at least
 UNROLLED_PLATFORMS = ("cuda", "rocm")  # where `over_chunks` unrolls: GPUs
 KERNEL_PLATFORMS = ("cuda",)  # where the passes over a range are Pallas kernels
+MIN_COMPUTE_CAPABILITY = (8, 0)  # Pallas' Triton backend: Ampere and newer
 
 
 def row_counts(magnitudes: jax.Array, thresholds: jax.Array) -> jax.Array:
@@ -214,10 +215,28 @@ def on_kernel_platforms(kernel: Callable[[str], Callable], loop: Callable,
   vector is long enough for them; on a CPU (in tests) they run in Pallas'
   interpreter.
   """
-  if not _range_kernels.fits(accumulated.shape[0]):
+  platforms = kernel_platforms()
+  if not platforms or not _range_kernels.fits(accumulated.shape[0]):
     return loop(accumulated, *args)
-  kernels = {platform: kernel(platform) for platform in KERNEL_PLATFORMS}
+  kernels = {platform: kernel(platform) for platform in platforms}
   return jax.lax.platform_dependent(accumulated, *args, **kernels, default=loop)
+
+
+def kernel_platforms() -> tuple[str, ...]:
+  """`KERNEL_PLATFORMS` whose devices can run the kernels: NVIDIA GPUs older than
+  `MIN_COMPUTE_CAPABILITY` (a T4, a V100) keep the loops. Where this process has
+  no device of a platform (lowering for another machine), the kernels are kept."""
+  return tuple(platform for platform in KERNEL_PLATFORMS if _devices_run_kernels(platform))
+
+
+def _devices_run_kernels(platform: str) -> bool:
+  try:
+    devices = jax.devices(platform)
+  except RuntimeError:  # no such backend here
+    return True
+  capabilities = [getattr(device, "compute_capability", None) for device in devices]
+  return all(c is None or tuple(map(int, str(c).split(".")[:2])) >= MIN_COMPUTE_CAPABILITY
+             for c in capabilities)
 
 
 class Selection(NamedTuple):
