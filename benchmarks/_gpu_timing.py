@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import _common
-from exdyna_jax.selection import _selection
+from exdyna_jax.selection import _range_kernels
 from exdyna_jax.shell import _guard
 
 AXIS = "data"
@@ -62,7 +62,7 @@ def loops_if(name):
     return stack
   if not name.endswith("_loops"):
     return contextlib.nullcontext()
-  return mock.patch.object(_selection, "KERNEL_PLATFORMS", ())
+  return mock.patch.object(_range_kernels, "KERNEL_PLATFORMS", ())
 
 
 def unguarded_screen(values, stats, num_workers, axis_name, *, layout=0):

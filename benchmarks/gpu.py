@@ -11,7 +11,7 @@ Methods (all on the same gradients):
 ==================  ==========================================================
 exdyna              ``exdyna(d)``, the default (balanced, adaptive)
 exdyna_loops        ``exdyna(d)`` with the passes over the partition as XLA
-                    loops (`_selection.KERNEL_PLATFORMS` emptied), as before
+                    loops (`_range_kernels.KERNEL_PLATFORMS` emptied), as before
                     the Pallas kernels: the same results, another program
 exdyna_unguarded    a diagnostic, not a method to use: ``exdyna(d)`` with the
                     guard patched out (a sum over the gradient and its
@@ -185,22 +185,16 @@ def check_kernels(num_elements, density, grads):
           steps.append(jax.device_get((state, update)))  # the next step donates the state
         runs.append(steps)
     kernels, loops = runs
-    thresholds = [(a.stats.threshold[0], b.stats.threshold[0]) for (a, _), (b, _) in runs_zip(runs)]
+    pairs = [(a.stats, b.stats) for (a, _), (b, _) in zip(kernels, loops, strict=True)]
     result[name] = {
         "bit_for_bit": all(jax.tree.leaves(jax.tree.map(
             lambda a, b: bool((a == b).all()), kernels, loops))),
-        "transmitted_equal": all(
-            (a.stats.transmitted == b.stats.transmitted).all() for (a, _), (b, _) in
-            runs_zip(runs)),
+        "transmitted_equal": all((a.transmitted == b.transmitted).all() for a, b in pairs),
         "threshold_max_relative_difference": max(
-            float(abs(a - b) / b) for a, b in thresholds),
+            float(abs(a.threshold[0] - b.threshold[0]) / b.threshold[0]) for a, b in pairs),
     }
     print(f"{name}: kernels against loops: {result[name]}", file=sys.stderr, flush=True)
   return result
-
-
-def runs_zip(runs):
-  return zip(*runs, strict=True)
 
 
 def check_passes(accumulated):

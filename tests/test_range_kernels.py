@@ -33,7 +33,7 @@ THRESHOLDS = np.asarray([0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5], np.float32)
 
 @pytest.fixture(autouse=True)
 def kernels_on_the_cpu(monkeypatch):
-  monkeypatch.setattr(_selection, "KERNEL_PLATFORMS", ("cpu",))
+  monkeypatch.setattr(_range_kernels, "KERNEL_PLATFORMS", ("cpu",))
 
 
 def gradient(seed, size=N, nan_fraction=0.01):
@@ -115,7 +115,7 @@ def test_a_run_with_the_kernels_is_the_run_with_the_loops(name, runner, monkeypa
   grads = harness.unflatten_like(flat, params)
   tx = exdyna_jax.get_sparsifier(name, density=0.01)
   with_kernels = runner(tx, params, grads)[:2]
-  monkeypatch.setattr(_selection, "KERNEL_PLATFORMS", ())
+  monkeypatch.setattr(_range_kernels, "KERNEL_PLATFORMS", ())
   chex.assert_trees_all_equal(runner(tx, params, grads)[:2], with_kernels)
 
 
@@ -125,7 +125,7 @@ def test_the_step_lowers_for_nvidia_gpus_with_three_triton_kernels(monkeypatch):
   probe count and the selection's two passes are Triton kernels. (The guard's
   host callback cannot be lowered for another platform than the machine's:
   left out here.)"""
-  monkeypatch.setattr(_selection, "KERNEL_PLATFORMS", ("cuda",))
+  monkeypatch.setattr(_range_kernels, "KERNEL_PLATFORMS", ("cuda",))
   params = {"w": jnp.zeros((96, 160)), "b": jnp.zeros((7_000,))}
   grads = jax.tree.map(lambda p: jnp.ones((8, 2, *p.shape)), params)
   per_worker = harness._scan_steps(exdyna_jax.exdyna(0.01), params)
@@ -146,6 +146,6 @@ def test_gpus_older_than_ampere_keep_the_loops(monkeypatch, capability, kernels)
   class Device:
     compute_capability = capability
 
-  monkeypatch.setattr(_selection, "KERNEL_PLATFORMS", ("cuda",))
+  monkeypatch.setattr(_range_kernels, "KERNEL_PLATFORMS", ("cuda",))
   monkeypatch.setattr(jax, "devices", lambda platform=None: [Device()] * 2)
-  assert _selection.kernel_platforms() == (("cuda",) if kernels else ())
+  assert _range_kernels.kernel_platforms() == (("cuda",) if kernels else ())

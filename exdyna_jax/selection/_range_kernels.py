@@ -18,13 +18,16 @@ least `BLOCK` elements (`fits`).
 
 The results are the loops' own: the same counts and largest magnitude, the
 same lowest ``C`` passing indices (exact integers, compared in
-``tests/test_range_kernels.py``). On a CPU the kernels run in Pallas'
+``tests/test_range_kernels.py``). `on_kernel_platforms` picks them or the
+loops when a pass is traced. On a CPU the kernels run in Pallas'
 interpreter, for those tests only.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +40,8 @@ BLOCK = ROW * ROWS  # elements a program reads at once
 PROBE_LANES = 32  # probe thresholds counted at once (padded with +inf)
 WARPS = 4  # warps per program
 PROGRAMS_PER_CHUNK = 64  # programs that share one chunk of the loops (a quarter share)
-
+KERNEL_PLATFORMS = ("cuda",)  # where the passes over a range are these kernels
+MIN_COMPUTE_CAPABILITY = (8, 0)  # Pallas' Triton backend: Ampere and newer
 
 _TRITON = pl_triton.CompilerParams(num_warps=WARPS)
 
@@ -55,6 +59,38 @@ def span(chunk: int) -> int:
   results stay small.
   """
   return BLOCK * max(1, chunk // (PROGRAMS_PER_CHUNK * BLOCK))
+
+
+def on_kernel_platforms(kernel: Callable[[str], Callable], loop: Callable,
+                        accumulated: jax.Array, *args: Any) -> Any:
+  """``kernel(platform)(accumulated, *args)`` on `KERNEL_PLATFORMS`, ``loop(...)`` elsewhere.
+
+  The kernels replace a pass's loop where the vector is long enough for
+  them (`fits`) and the devices can run them (`kernel_platforms`); on a
+  CPU (in tests) they run in Pallas' interpreter.
+  """
+  platforms = kernel_platforms()
+  if not platforms or not fits(accumulated.shape[0]):
+    return loop(accumulated, *args)
+  kernels = {platform: kernel(platform) for platform in platforms}
+  return jax.lax.platform_dependent(accumulated, *args, **kernels, default=loop)
+
+
+def kernel_platforms() -> tuple[str, ...]:
+  """`KERNEL_PLATFORMS` whose devices can run the kernels: NVIDIA GPUs older than
+  `MIN_COMPUTE_CAPABILITY` (a T4, a V100) keep the loops. Where this process has
+  no device of a platform (lowering for another machine), the kernels are kept."""
+  return tuple(platform for platform in KERNEL_PLATFORMS if _devices_run_kernels(platform))
+
+
+def _devices_run_kernels(platform: str) -> bool:
+  try:
+    devices = jax.devices(platform)
+  except RuntimeError:  # no such backend here
+    return True
+  capabilities = [getattr(device, "compute_capability", None) for device in devices]
+  return all(c is None or tuple(map(int, str(c).split(".")[:2])) >= MIN_COMPUTE_CAPABILITY
+             for c in capabilities)
 
 
 def _program_blocks(bounds_ref, span_length: int):

@@ -8,7 +8,7 @@ the bit masks of its first ``C`` non-empty rows (`first_nonzero`). Both read the
 chunks that start at its first element (`chunk_window`), so their cost
 follows the partition's length; on AMD GPUs the first chunks run unrolled
 (`over_chunks`), and on NVIDIA GPUs both passes are Pallas kernels instead
-(`_range_kernels`, on `KERNEL_PLATFORMS`), with the same results.
+(`_range_kernels`, on `_range_kernels.KERNEL_PLATFORMS`), with the same results.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ FIELD_BITS = 6  # a row of 32 elements has at most 32 passing: 6 bits
 FIELDS_PER_WORD = 5  # 5 x 6 bits fit an int32
 MIN_CHUNK = 1 << 16  # elements per iteration of `count_in_range`, at least
 UNROLLED_PLATFORMS = ("cuda", "rocm")  # where `over_chunks` unrolls: GPUs
-KERNEL_PLATFORMS = ("cuda",)  # where the passes over a range are Pallas kernels
-MIN_COMPUTE_CAPABILITY = (8, 0)  # Pallas' Triton backend: Ampere and newer
 
 
 def row_counts(magnitudes: jax.Array, thresholds: jax.Array) -> jax.Array:
@@ -204,39 +202,7 @@ def count_in_range(
     return functools.partial(
         _range_kernels.count_in_range, chunk=chunk, interpret=platform == "cpu")
 
-  return on_kernel_platforms(kernel, loop, accumulated, begin, end, thresholds)
-
-
-def on_kernel_platforms(kernel: Callable[[str], Callable], loop: Callable,
-                        accumulated: jax.Array, *args: Any) -> Any:
-  """``kernel(platform)(accumulated, *args)`` on `KERNEL_PLATFORMS`, ``loop(...)`` elsewhere.
-
-  The Pallas kernels (`_range_kernels`) replace a pass's loop where the
-  vector is long enough for them; on a CPU (in tests) they run in Pallas'
-  interpreter.
-  """
-  platforms = kernel_platforms()
-  if not platforms or not _range_kernels.fits(accumulated.shape[0]):
-    return loop(accumulated, *args)
-  kernels = {platform: kernel(platform) for platform in platforms}
-  return jax.lax.platform_dependent(accumulated, *args, **kernels, default=loop)
-
-
-def kernel_platforms() -> tuple[str, ...]:
-  """`KERNEL_PLATFORMS` whose devices can run the kernels: NVIDIA GPUs older than
-  `MIN_COMPUTE_CAPABILITY` (a T4, a V100) keep the loops. Where this process has
-  no device of a platform (lowering for another machine), the kernels are kept."""
-  return tuple(platform for platform in KERNEL_PLATFORMS if _devices_run_kernels(platform))
-
-
-def _devices_run_kernels(platform: str) -> bool:
-  try:
-    devices = jax.devices(platform)
-  except RuntimeError:  # no such backend here
-    return True
-  capabilities = [getattr(device, "compute_capability", None) for device in devices]
-  return all(c is None or tuple(map(int, str(c).split(".")[:2])) >= MIN_COMPUTE_CAPABILITY
-             for c in capabilities)
+  return _range_kernels.on_kernel_platforms(kernel, loop, accumulated, begin, end, thresholds)
 
 
 class Selection(NamedTuple):
@@ -379,7 +345,7 @@ def select_in_range(
     return functools.partial(_range_kernels.first_rows, capacity=capacity, chunk=chunk,
                              interpret=platform == "cpu")
 
-  row_starts, masks, kept, passed = on_kernel_platforms(
+  row_starts, masks, kept, passed = _range_kernels.on_kernel_platforms(
       kernel, loop, accumulated, threshold, begin, end)
 
   # Slot s of the buffer: the kept row where the running count passes s, and
