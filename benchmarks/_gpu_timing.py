@@ -4,7 +4,7 @@ A step is timed blocked on each call and queued (`timed_steps`). A method's
 name may end in ``_loops`` (the passes over the partition traced as XLA
 loops, as before the Pallas kernels) or ``_unguarded`` (a diagnostic: the
 guard patched out, its screen's sum and ``psum`` kept: no conditional, no
-select), which `loops_if` applies while the step is traced.
+select), which `traced_as` applies while the step is traced.
 """
 
 from __future__ import annotations
@@ -51,9 +51,10 @@ def timing(times, queued, per=1):
           "queued_seconds": queued / per}
 
 
-def loops_if(name):
-  """A context that traces the passes over the partition as XLA loops for ``*_loops`` names,
-  and the guard without its conditionals for ``*_unguarded`` ones (`unguarded_screen`)."""
+def traced_as(name):
+  """The context a method ``name`` is traced in: the passes over the partition as XLA
+  loops for ``*_loops`` names, the guard patched out for ``*_unguarded`` ones
+  (`unguarded_screen`), the library as it is otherwise."""
   if name.endswith("_unguarded"):
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(_guard, "screen", unguarded_screen))

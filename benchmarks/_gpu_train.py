@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from benchmarks import _common
-from benchmarks._gpu_timing import AXIS, WORKERS, loops_if, method_of, timed_steps, timing
+from benchmarks._gpu_timing import AXIS, WORKERS, method_of, timed_steps, timing, traced_as
 from exdyna_jax.demo import tasks
 
 # 25.2M parameters, a multiple of 4: under vmap the 8 workers' residuals are
@@ -70,7 +70,7 @@ def time_train_steps(params, batch, methods, loss, optimizer, repeats, rows=None
   rows = {} if rows is None else rows
   for name, density in methods:
     label = name if density is None else f"{name}@{density}"
-    with loops_if(name):
+    with traced_as(name):
       init, step = train_step(name, density, loss, optimizer)
       carry = (jax.tree.map(jnp.copy, params), init(params))
       _, times, queued = timed_steps(functools.partial(step, batch=batch), carry, repeats)

@@ -84,7 +84,7 @@ import jax.numpy as jnp
 import exdyna_jax
 from benchmarks import _common, _gpu_train
 from benchmarks._gpu_profile import busiest_operations, with_sources
-from benchmarks._gpu_timing import AXIS, WORKERS, loops_if, method_of, timed_steps, timing
+from benchmarks._gpu_timing import AXIS, WORKERS, method_of, timed_steps, timing, traced_as
 from exdyna_jax.selection import _selection
 
 TARGET = {"elements": 25_000_000, "density": 0.001}
@@ -143,7 +143,7 @@ def vmapped_update(name, num_elements, density):
 
 
 def time_method(name, num_elements, density, grads, repeats):
-  with loops_if(name):  # the step is traced at its first call
+  with traced_as(name):  # the step is traced at its first call
     state, run = vmapped_update(name, num_elements, density)
     (state, _), times, queued = timed_steps(
         lambda carry: run(carry[0], grads), (state, None), repeats)
@@ -177,7 +177,7 @@ def check_kernels(num_elements, density, grads):
   for name in ("exdyna", "exdyna_reference", "micro"):
     runs = []
     for loops in (False, True):
-      with loops_if("_loops" if loops else name):
+      with traced_as("_loops" if loops else name):
         state, run = vmapped_update(name, num_elements, density)
         steps = []
         for step in range(CHECK_STEPS):
@@ -216,7 +216,7 @@ def check_passes(accumulated):
   for begin, end in ranges:
     results = []
     for name in ("kernels", "_loops"):
-      with loops_if(name):
+      with traced_as(name):
         results.append(jax.device_get(jax.jit(passes)(jnp.int32(begin), jnp.int32(end))))
     same &= all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), *results)))
   return bool(same)
@@ -228,7 +228,7 @@ def profile_methods(trace_root, num_elements, density, grads, methods):
   profiles = {}
   for name in methods:
     directory = pathlib.Path(trace_root) / name
-    with loops_if(name):
+    with traced_as(name):
       state, run = vmapped_update(name, num_elements, density)
       state = jax.block_until_ready(run(state, grads))[0]  # compiled
       with jax.profiler.trace(str(directory), create_perfetto_trace=True):
