@@ -187,14 +187,18 @@ def check_kernels(num_elements, density, grads):
     kernels, loops = runs
     pairs = [(a.stats, b.stats) for (a, _), (b, _) in zip(kernels, loops, strict=True)]
     result[name] = {
-        "bit_for_bit": all(jax.tree.leaves(jax.tree.map(
-            lambda a, b: bool((a == b).all()), kernels, loops))),
+        "bit_for_bit": trees_equal(kernels, loops),
         "transmitted_equal": all((a.transmitted == b.transmitted).all() for a, b in pairs),
         "threshold_max_relative_difference": max(
             float(abs(a.threshold[0] - b.threshold[0]) / b.threshold[0]) for a, b in pairs),
     }
     print(f"{name}: kernels against loops: {result[name]}", file=sys.stderr, flush=True)
   return result
+
+
+def trees_equal(a, b):
+  """Whether two trees of arrays are the same, bit for bit."""
+  return all(jax.tree.leaves(jax.tree.map(lambda x, y: bool((x == y).all()), a, b)))
 
 
 def check_passes(accumulated):
@@ -218,7 +222,7 @@ def check_passes(accumulated):
     for name in ("kernels", "_loops"):
       with traced_as(name):
         results.append(jax.device_get(jax.jit(passes)(jnp.int32(begin), jnp.int32(end))))
-    same &= all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), *results)))
+    same &= trees_equal(*results)
   return bool(same)
 
 
