@@ -9,7 +9,7 @@ from exdyna_jax.methods._hard_threshold import hard_threshold
 from exdyna_jax.methods._micro import micro
 from exdyna_jax.methods._registry import available_sparsifiers, get_sparsifier
 from exdyna_jax.methods._spardl import SparDLRounds, SparDLState, spardl
-from exdyna_jax.methods._topk import topk
+from exdyna_jax.methods._topk import SteeredTopKState, topk
 from exdyna_jax.methods.exdyna._exdyna import ExDynaState, exdyna
 from exdyna_jax.parallel._nnx import nnx_optimizer, nnx_step
 from exdyna_jax.parallel._resize import resize_workers
@@ -33,6 +33,7 @@ __all__ = [
     "SparDLState",
     "Sparsifier",
     "SparsifierStats",
+    "SteeredTopKState",
     "available_sparsifiers",
     "cltk",
     "create_train_state",

@@ -122,7 +122,28 @@ def run_case(case: str, runner: str):
 
 @pytest.mark.parametrize(("case", "runner"), RUNS)
 def test_matches_model(case, runner):
-  grads, updates, states, trace = run_case(case, runner)
+  assert_matches_model(*run_case(case, runner))
+
+
+def test_steered_topk_matches_the_model_at_its_own_thresholds():
+  """``topk(exact=False)``: each worker sends the lowest ``k`` indices past a
+  threshold of its own, and the union is summed as for the exact method."""
+  grads = flat_gradients()
+  updates, states, _ = run_shard_map(exdyna_jax.topk(DENSITY, exact=False), PARAMS,
+                                     to_tree(grads), check_vma=True)
+  states = to_numpy(states)
+  thresholds = states.threshold.T  # [T, n]: each worker's own, after each step
+  assert np.all(thresholds.max(axis=1) > thresholds.min(axis=1))  # the workers differ
+  trace = peers_model.steered_topk(grads, K, thresholds)
+  assert_matches_model(grads, to_flat(updates), states, trace)
+  # Steered to k while the scale falls 30 % a step: after the first steps each
+  # worker's count is within 15 % of k, and within 3 % at the median.
+  np.testing.assert_allclose(trace.workloads[3:] / K, 1.0, atol=0.15)
+  assert np.median(np.abs(trace.workloads[3:] / K - 1)) < 0.03
+  assert np.any(trace.overflow > 0) and np.any(trace.selected < NUM_WORKERS * K)
+
+
+def assert_matches_model(grads, updates, states, trace):
   stats = states.stats
 
   # One aggregated update, identical on every worker, equal to the model's.
@@ -263,3 +284,16 @@ def test_micro_stays_imbalanced_where_exdyna_rebalances():
   assert np.median(exdyna[-60:]) < 1.2
   # Re-cut from the measured workload every step, it is balanced from the start.
   assert np.median(exdyna[:50]) < 1.5 < np.median(micro[:50])
+
+
+def test_steered_topk_follows_a_schedule_and_checks_exact():
+  """A dense level sends the mean; the sparse one then steers from ``1 / (2 sqrt(k))``."""
+  tx = exdyna_jax.topk({0: 1.0, 2: DENSITY}, exact=False)
+  grads = flat_gradients()[:, :4]
+  updates, states, _ = run_vmap(tx, PARAMS, to_tree(grads))
+  updates, states = to_flat(updates), to_numpy(states)
+  np.testing.assert_allclose(updates[0, :2], grads[:, :2].mean(axis=0), rtol=1e-5, atol=1e-9)
+  np.testing.assert_array_equal(states.threshold[:, :2], peers_model.initial_threshold(K))
+  assert np.all(states.stats.transmitted[0, 2:] <= NUM_WORKERS * K)
+  with pytest.raises(TypeError, match="exact must be True or False"):
+    exdyna_jax.topk(DENSITY, exact="no")

@@ -6,13 +6,14 @@ where Pallas interprets them. They must give exactly what the loops give:
 the probe counts and the largest magnitude of the range, the lowest ``C``
 passing indices and the pass count, for ranges that start and end inside
 blocks and programs, at the vector's end, empty, with NaN, and under
-``vmap`` with a range per worker; and a whole ExDyna or MiCRO run must be
-the same bit for bit. The step lowers for CUDA with three Triton kernels,
+``vmap`` with a range per worker; and a whole ExDyna, MiCRO or steered
+Top-k run must be the same bit for bit. The step lowers for CUDA with three Triton kernels,
 and GPUs older than Ampere keep the loops.
 """
 
 from __future__ import annotations
 
+import functools
 from unittest import mock
 
 import chex
@@ -30,6 +31,11 @@ from tests.test_selection import numpy_select
 N = 20_000
 RANGES = [(0, N), (37, 9_001), (4_095, 4_130), (19_990, N), (5_000, 5_000), (1_024, 3_072)]
 THRESHOLDS = np.asarray([0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5], np.float32)
+
+
+# The methods whose passes run as the kernels.
+KERNEL_METHODS = {"exdyna": exdyna_jax.exdyna, "micro": exdyna_jax.micro,
+                  "steered_topk": functools.partial(exdyna_jax.topk, exact=False)}
 
 
 @pytest.fixture(autouse=True)
@@ -106,7 +112,7 @@ def test_a_vector_shorter_than_a_block_keeps_the_loops():
 
 @pytest.mark.parametrize("runner", [harness.run_vmap, harness.run_shard_map],
                          ids=["vmap", "shard_map"])
-@pytest.mark.parametrize("name", ["exdyna", "micro"])
+@pytest.mark.parametrize("name", ["exdyna", "micro", "steered_topk"])
 def test_a_run_with_the_kernels_is_the_run_with_the_loops(name, runner, monkeypatch):
   """Eight workers, ten steps of uneven gradients: every state and update the same."""
   params = {"w": jnp.zeros((96, 160)), "b": jnp.zeros((7_000,))}
@@ -114,13 +120,14 @@ def test_a_run_with_the_kernels_is_the_run_with_the_loops(name, runner, monkeypa
   rng = np.random.default_rng(4)
   flat = (scale * rng.standard_normal((8, 10, scale.size))).astype(np.float32)
   grads = harness.unflatten_like(flat, params)
-  tx = exdyna_jax.get_sparsifier(name, density=0.01)
+  tx = KERNEL_METHODS[name](density=0.01)
   with_kernels = runner(tx, params, grads)[:2]
   monkeypatch.setattr(_range_kernels, "KERNEL_PLATFORMS", ())
   chex.assert_trees_all_equal(runner(tx, params, grads)[:2], with_kernels)
 
 
-def test_the_step_lowers_for_nvidia_gpus_with_three_triton_kernels(monkeypatch):
+@pytest.mark.parametrize("name", ["exdyna", "steered_topk"])
+def test_the_step_lowers_for_nvidia_gpus_with_three_triton_kernels(name, monkeypatch):
   """Lowered for CUDA from this CPU machine, under ``shard_map`` with its check
   of what varies over the workers (which Pallas' interpreter cannot run): the
   probe count and the selection's two passes are Triton kernels. (The guard's
@@ -129,7 +136,7 @@ def test_the_step_lowers_for_nvidia_gpus_with_three_triton_kernels(monkeypatch):
   monkeypatch.setattr(_range_kernels, "KERNEL_PLATFORMS", ("cuda",))
   params = {"w": jnp.zeros((96, 160)), "b": jnp.zeros((7_000,))}
   grads = jax.tree.map(lambda p: jnp.ones((8, 2, *p.shape)), params)
-  per_worker = harness._scan_steps(exdyna_jax.exdyna(0.01), params)
+  per_worker = harness._scan_steps(KERNEL_METHODS[name](density=0.01), params)
 
   def body(grads):
     return jax.tree.map(lambda x: x[None], per_worker(jax.tree.map(lambda g: g[0], grads)))

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax.core import _options, _stats
+from exdyna_jax.core import _collectives, _options, _stats
 from exdyna_jax.exchange import _exchange
 from exdyna_jax.selection import _selection, _threshold
 from exdyna_jax.shell import _density_schedule, _feedback
@@ -122,19 +122,22 @@ def hard_threshold(
 
 
 def threshold_step(accumulated: jax.Array, stats: _stats.SparsifierStats, num_workers: int, *,
-                   threshold: float, capacity: int, target: int, axis_name: str,
+                   threshold: float | jax.Array, capacity: int, target: int, axis_name: str,
                    value_dtype: Any) -> tuple[_exchange.SparseUpdate, _stats.SparsifierStats]:
   """Every worker's ``|a| >= threshold`` (its ``capacity`` lowest indices), summed at their union.
 
-  ``target`` is the step's ``k`` (0 with a fixed threshold); the capacity is
-  clipped to ``[1, N]``.
+  ``threshold`` may differ between workers (`topk`'s steered one); the
+  stats report the smallest, which rides the index all-gather. ``target``
+  is the step's ``k`` (0 with a fixed threshold); the capacity is clipped to
+  ``[1, N]``.
   """
   num_elements = accumulated.shape[0]
   slots = max(1, min(capacity, num_elements))
   chunk = _selection.chunk_length(num_elements, 1)
+  threshold = jnp.asarray(threshold, jnp.float32)
   selection = _selection.select_in_range(
       accumulated,
-      jnp.float32(threshold),
+      threshold,
       jnp.int32(0),
       jnp.int32(num_elements),
       capacity=slots,
@@ -142,12 +145,14 @@ def threshold_step(accumulated: jax.Array, stats: _stats.SparsifierStats, num_wo
       unrolled=_selection.unrolled_chunks(num_elements, 1, chunk),  # every chunk
   )
   exchanged = _exchange.exchange(
-      accumulated, selection.indices, selection.passed[None], axis_name, value_dtype=value_dtype,
+      accumulated, selection.indices,
+      jnp.stack([selection.passed, _collectives.float_bits(threshold)]), axis_name,
+      value_dtype=value_dtype,
   )
   passed = exchanged.gathered_info[:, 0]
   new_stats = _stats.unpartitioned_stats(
       stats,
-      threshold=jnp.float32(threshold),
+      threshold=_collectives.bits_float(jnp.min(exchanged.gathered_info[:, 1])),
       selected=jnp.sum(passed),
       transmitted=_exchange.distinct_count(exchanged.gathered_indices, num_elements),
       overflow=jnp.sum(jnp.maximum(passed - slots, 0)),

@@ -3,15 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax.core import _collectives, _options, _stats
+from exdyna_jax.core import _collectives, _layout, _options, _stats
 from exdyna_jax.exchange import _exchange
-from exdyna_jax.selection import _selection
-from exdyna_jax.shell import _feedback
+from exdyna_jax.methods import _hard_threshold
+from exdyna_jax.selection import _count_curve, _selection, _threshold
+from exdyna_jax.shell import _density_schedule, _feedback
+
+
+class SteeredTopKState(NamedTuple):
+  """Optimizer state of ``topk(..., exact=False)`` (per worker).
+
+  Attributes:
+    residual: float32 ``[N]`` error-feedback memory of this worker.
+    threshold: float32 this worker's own threshold at its last step (before
+      the first: ``1 / (2 sqrt(k))``); it differs between workers.
+    stats: `SparsifierStats` of the last step (``stats.threshold``: the
+      smallest of the workers' thresholds).
+    leaves_seen: `_layout.LeavesSeen`, static: which leaves of the params
+      tree ``init`` saw.
+  """
+
+  residual: jax.Array
+  threshold: jax.Array
+  stats: _stats.SparsifierStats
+  leaves_seen: _layout.LeavesSeen | None = None
 
 
 def topk(
@@ -19,12 +40,14 @@ def topk(
     *,
     axis_name: str = "data",
     value_dtype: Any = jnp.float32,
+    exact: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
-  """Exact local top-k with error feedback, as an optax transform.
+  """Local top-k with error feedback, as an optax transform.
 
   Each worker picks the ``k = floor(density * N)`` largest magnitudes of its
   own accumulated gradient (``lax.top_k``, a sort-like pass over all ``N``
-  elements); the workers all-gather the ``[n, k]`` index lists and sum their
+  elements; with ``exact=False``, what passes a threshold of its own, see
+  below); the workers all-gather the ``[n, k]`` index lists and sum their
   values at all of them, so the update is the mean of all workers'
   accumulated gradients on the union of their choices. Workers disagree, so
   the union grows from ``k`` towards ``n k`` (gradient build-up): the stats
@@ -37,6 +60,17 @@ def topk(
   magnitudes (it rides on the index all-gather); ``stats.workloads`` is ``k``
   per worker.
 
+  ``exact=False`` replaces the sort by two passes over ``N`` and no
+  collective: each worker counts how many elements pass 27 probe
+  thresholds around its last threshold, interpolates the threshold its
+  ``k``-th largest magnitude lies at (the count curve of `exdyna`'s
+  adaptive controller, here on the worker's own vector), and sends the
+  lowest ``k`` indices that pass it. The count is met to a few per cent;
+  what passes beyond ``k`` stays in the residual (``stats.overflow``), and
+  ``stats.workloads`` is each worker's count that passed. The buffers are
+  those of the exact method (its side information one integer longer). The
+  state is a `SteeredTopKState`.
+
   Calling convention: :doc:`/usage`; non-finite gradients: :doc:`/bad_inputs`.
 
   Args:
@@ -46,10 +80,12 @@ def topk(
     axis_name: name of the data-parallel axis.
     value_dtype: float32 (default), bfloat16 or float16: what the values at
       the union of the workers' indices are summed in (:doc:`/usage`).
+    exact: the exact ``k`` largest (a sort), or, with False, a steered
+      threshold of each worker's own (two passes, no sort).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
-    `ErrorFeedbackState`.
+    `ErrorFeedbackState` (``exact=False``: a `SteeredTopKState`).
 
   References:
     Aji & Heafield, "Sparse Communication for Distributed Gradient Descent",
@@ -85,6 +121,10 @@ def topk(
   """
 
   value_dtype = _options.check_value_dtype(value_dtype)
+  if not isinstance(exact, bool):
+    raise TypeError(f"exact must be True or False, got {exact!r}.")
+  if not exact:
+    return steered_topk(density, axis_name=axis_name, value_dtype=value_dtype)
 
   def sparsify(accumulated, stats, num_workers, k):
     num_elements = accumulated.shape[0]
@@ -109,3 +149,48 @@ def topk(
 
   return _feedback.fixed_budget_transform(density, axis_name=axis_name, sparsify=sparsify)
 
+
+def steered_topk(density: float | Mapping[int, float], *, axis_name: str,
+                 value_dtype: Any) -> _collectives.Sparsifier:
+  """``topk(density, exact=False)``: each worker's own threshold, steered to its ``k``."""
+  levels = _density_schedule.density_levels(density)
+
+  def init_state(residual, num_elements, num_workers):
+    threshold = _threshold.hard_threshold_rule(
+        _density_schedule.initial_count(levels, num_elements))
+    return SteeredTopKState(
+        residual, _collectives.per_worker(jnp.float32(threshold), axis_name),
+        _feedback.unpartitioned_initial_stats(threshold, num_elements, num_workers))
+
+  def step_for(density):
+    def step(accumulated, state, num_workers):
+      k = _options.target_count(density, accumulated.shape[0])
+      threshold = steered_threshold(accumulated, state.threshold, k)
+      sparse, stats = _hard_threshold.threshold_step(
+          accumulated, state.stats, num_workers, threshold=threshold, capacity=k, target=k,
+          axis_name=axis_name, value_dtype=value_dtype)
+      return sparse, state._replace(threshold=threshold, stats=stats)
+
+    return step
+
+  return _feedback.error_feedback_transform(
+      axis_name=axis_name, init_state=init_state,
+      step=_density_schedule.scheduled_step(levels, step_for, axis_name))
+
+
+def steered_threshold(accumulated: jax.Array, previous: jax.Array, k: int) -> jax.Array:
+  """The threshold ``k`` elements of ``|accumulated|`` pass, from one counting pass.
+
+  The counts at `_threshold.probe_thresholds` around ``previous`` and the
+  largest magnitude give the count curve; the threshold is where it meets
+  ``k`` (`_count_curve.solve_count_curve`). With nothing to select (all
+  zero) the previous threshold is kept.
+  """
+  num_elements = accumulated.shape[0]
+  chunk = _selection.chunk_length(num_elements, 1)
+  probes = _threshold.probe_thresholds(previous)
+  counts, largest = _selection.count_in_range(
+      accumulated, jnp.int32(0), jnp.int32(num_elements), probes, chunk=chunk,
+      unrolled=_selection.unrolled_chunks(num_elements, 1, chunk))
+  return jnp.where(largest > 0, _count_curve.solve_count_curve(probes, counts, k, largest),
+                   previous)

@@ -199,6 +199,20 @@ def hard_threshold(grads: np.ndarray, threshold: float, capacity: int) -> Trace:
   return _error_feedback(grads, choose)
 
 
+def steered_topk(grads: np.ndarray, k: int, thresholds: np.ndarray) -> Trace:
+  """Top-k by thresholds (``topk(exact=False)``): worker ``w`` sends the ``k`` lowest
+  indices with ``|a| >= thresholds[t, w]``; the threshold reported is the smallest."""
+
+  def choose(t, accumulated):
+    passing = [np.flatnonzero(np.abs(row) >= F32(threshold))
+               for row, threshold in zip(accumulated, thresholds[t], strict=True)]
+    counts = [p.size for p in passing]
+    overflow = sum(max(c - k, 0) for c in counts)
+    return [p[:k] for p in passing], F32(np.min(thresholds[t])), sum(counts), overflow, counts
+
+  return _error_feedback(grads, choose)
+
+
 def cltk(grads: np.ndarray, density: float) -> Trace:
   """CLT-k (CLT-k): the leader ``t mod n``'s top-k, for everyone."""
   num_workers, _, num_elements = grads.shape
