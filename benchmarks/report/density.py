@@ -49,6 +49,21 @@ def _density_targets(rep: Report, after: list[dict]) -> None:
                f"{100 * worst:.2f} %", worst <= 0.01)
 
 
+def _density_row(run: dict, runs: list[dict]) -> list:
+  """One workload at one density: n = 8's figures, and sent/k on every worker count."""
+  s = run["summary"]
+  metric = next(iter(run.get("metrics") or {}), None)
+  shown = "" if metric is None else f"{metric.replace('_', ' ')} {run['metrics'][metric]:.4g}"
+  same = [r for r in runs if (r["workload"], r["density"]) == (run["workload"], run["density"])]
+  sent = [next((f"{r['summary']['median_sent_over_k']:.3f}" for r in same if r["label"] == label),
+               "-") for label in ("after-n4", "after", "after-n16")]
+  return [WORKLOAD_NAMES.get(run["workload"], run["workload"]), f"{run['elements']:,}",
+          run["density"], run["target"], " / ".join(sent),
+          f"{100 * s['median_abs_sent_error']:.1f} %", f"{100 * s['p90_abs_sent_error']:.1f} %",
+          f"{100 * s['mean_overflow_over_k']:.2f} %", f"{s['median_imbalance']:.2f}",
+          f"{s['bytes_sent']:,}", shown]
+
+
 def density_sections(rep: Report, density: dict | None) -> None:
   rep.add("## 4. Density sent: indices transmitted / k")
   if not density or not all("label" in r for r in density["runs"]):
@@ -71,42 +86,15 @@ def density_sections(rep: Report, density: dict | None) -> None:
     "worker sends per step (`stats.bytes_sent`). All over steps 21..end. 'before' (in the "
     "plots) is the library before the balanced partitioner (neighbour rule, "
     "`capacity_factor=1.5`, controller steering what passed the threshold), run by the "
-    f"same script: its sent/k was {before}; "
-    "'after-n4' and 'after-n16' are the current library on 4 and 16 workers (column n), "
-    "a check beyond the 8 the targets are set for."
+    f"same script: its sent/k was {before}. The table gives n = {targets_workers}, and the "
+    "sent/k of the current library on 4 and 16 workers beside it, a check beyond the "
+    f"{targets_workers} the targets are set for."
   )
-  rows = []
-  for r in runs:
-    s = r["summary"]
-    if r["label"] == "before":  # in the plots; the numbers in `density_control.json`
-      continue
-    metric = next(iter(r.get("metrics") or {}), None)
-    shown = "" if metric is None else f"{metric.replace('_', ' ')} {r['metrics'][metric]:.4g}"
-    rows.append(
-      [
-        WORKLOAD_NAMES.get(r["workload"], r["workload"]),
-        f"{r['elements']:,}",
-        r["density"],
-        r["target"],
-        r.get("workers", density["workers"]),
-        r["label"],
-        f"{s['median_sent_over_k']:.3f}",
-        f"{100 * s['median_abs_sent_error']:.1f} %",
-        f"{100 * s['p90_abs_sent_error']:.1f} %",
-        f"{100 * s['mean_overflow_over_k']:.2f} %",
-        f"{s['median_imbalance']:.2f}",
-        f"{s['bytes_sent']:,}",
-        shown,
-      ]
-    )
   _density_targets(rep, [r for r in runs if r["label"] == "after"])
-  rep.add(
-    table(
-      ["workload", "N", "d", "k", "n", "library", "sent/k", "median err", "p90 err",
+  rep.add(table(
+      ["workload", "N", "d", "k", "sent/k, n = 4 / 8 / 16", "median err", "p90 err",
        "overflow / k", "imbalance", "bytes/step", "after training"],
-      rows,
-    )
-  )
+      [_density_row(r, runs) for r in runs if r["label"] == "after"]))
   for field, name, ylabel in (
     ("transmitted", "density_control.png", "sent / k"),
     ("imbalance", "balance.png", "imbalance (max / mean)"),

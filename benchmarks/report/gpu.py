@@ -6,7 +6,8 @@ from benchmarks.report._format import Report, short, table
 
 UPDATE_METHODS = ("exdyna", "exdyna_loops", "exdyna_unguarded", "exdyna_reference", "micro",
                   "topk_ef", "floor")
-PROFILE_ITEMS = 8
+PROFILE_ITEMS = 5
+GAPS = 3
 
 
 def gpu_section(rep: Report, gpu: dict | None) -> None:
@@ -69,7 +70,7 @@ def gpu_section(rep: Report, gpu: dict | None) -> None:
                 f"{t['count_per_step']:g}", f"{t['us_per_step']:,.0f}"]
                for t in summary["top"][:PROFILE_ITEMS]])
     )
-  gaps_paragraph(rep, gpu.get("profile", {}))
+  gaps_paragraph(rep, gpu.get("profile", {}).get("exdyna", {}))
 
 
 def train_table(rep: Report, train: dict) -> None:
@@ -126,16 +127,15 @@ def gpt_table(rep: Report, gpt: dict) -> None:
                ratio <= 1.2)
 
 
-def gaps_paragraph(rep: Report, profile: dict) -> None:
-  for name, threads in profile.items():
-    for thread, summary in threads.items():
-      if not summary.get("idle_gaps"):
-        continue
-      rep.add(
-        f"Where the device idles in `{name}`'s traced steps ({thread}; the span "
-        f"{summary['span_us_per_step']:,.0f} us against {summary['busy_us_per_step']:,.0f} "
-        "us busy per step): the longest idle stretches, by the operations around them.\n\n"
-        + table(["after", "before", "per step", "us per step"],
-                [[f"`{g['after'][:40]}`", f"`{g['before'][:40]}`", f"{g['count_per_step']:g}",
-                  f"{g['us_per_step']:,.0f}"] for g in summary["idle_gaps"][:4]])
-      )
+def gaps_paragraph(rep: Report, threads: dict) -> None:
+  for thread, summary in threads.items():
+    if not summary.get("idle_gaps"):
+      continue
+    rep.add(
+      f"Where the device idles in `exdyna`'s traced steps ({thread}; the span "
+      f"{summary['span_us_per_step']:,.0f} us against {summary['busy_us_per_step']:,.0f} "
+      "us busy per step): the longest idle stretches, by the operations around them.\n\n"
+      + table(["after", "before", "per step", "us per step"],
+              [[f"`{g['after'][:40]}`", f"`{g['before'][:40]}`", f"{g['count_per_step']:g}",
+                f"{g['us_per_step']:,.0f}"] for g in summary["idle_gaps"][:GAPS]])
+    )
