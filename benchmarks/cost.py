@@ -218,7 +218,8 @@ def measure(config: dict, repeats: int, warmup: int) -> dict:
       if key == "patch":
         patch = value
       else:
-        extra[key] = float(value) if key == "capacity_factor" else value
+        extra[key] = {"True": True, "False": False}.get(
+            value, float(value) if key == "capacity_factor" else value)
     init_fn, step_fn, _ = _common.method_step(method, density, n, num_elements, **extra)
     state = init_fn(params)
     if name in SLOW or patch:

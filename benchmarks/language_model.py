@@ -18,8 +18,11 @@ that many steps, its schedule stretched to match):
   Nesterov (0.7, 0.9);
 - ``local@H@D``: `local_steps` with ``exdyna(D)`` and the default outer
   step (rate 1); ``local@H@D@bf16``: bfloat16 values;
-- ``topk`` for ``exdyna`` in a name (``topk@D``, ``sparse_adamw_topk@D``,
-  ``local_topk@H@D``): Top-k in the same role.
+- ``topk`` (or ``topk_steered``: ``topk(exact=False)``, ``cltk``, ``micro``)
+  for ``exdyna`` in a name (``topk@D``, ``sparse_adamw_topk@D``,
+  ``local_topk@H@D``): that method in the same role. Top-k's density is
+  each worker's: ``topk@0.00125`` sends the union of 8 workers' 0.125 %,
+  about the indices of ``exdyna@0.01``.
 
 The report (`benchmarks/report/language_model.py`) compares every run with
 ``ddp``'s final test loss: at equal tokens, and the step, bytes and
@@ -31,6 +34,8 @@ Run: python -m benchmarks.language_model [--quick] [--variants ddp,local@30@0.05
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import pathlib
 import time
 from collections.abc import Sequence
@@ -49,10 +54,21 @@ from exdyna_jax.demo.language_model import language_model_task
 from exdyna_jax.demo.trainer import Task
 
 DEFAULT_VARIANTS = (
-    "ddp,exdyna@0.01,sparse_adamw@0.01,exdyna@0.001,sparse_adamw@0.001,diloco@10,diloco@30,"
-    "local@10@0.25,local_topk@10@0.05,local@30@0.05,local@30@0.02@bf16,"
-    "ddp:900,sparse_adamw@0.01:900,diloco@10:900,local@10@0.25:900"
+    "ddp,exdyna@0.01,sparse_adamw@0.01,sparse_adamw_topk_steered@0.00125,exdyna@0.001,"
+    "sparse_adamw@0.001,sparse_adamw_topk_steered@0.000125,diloco@10,diloco@30,local@10@0.25,"
+    "local_topk@10@0.05,local@30@0.05,local@30@0.02@bf16,ddp:900,sparse_adamw@0.01:900,"
+    "sparse_adamw_topk_steered@0.00125:900,diloco@10:900,local@10@0.25:900"
 )
+
+
+# Compressors by the name's suffix (``exdyna`` where none is given); the first that matches.
+COMPRESSORS = {
+    "topk_steered": functools.partial(exdyna_jax.topk, exact=False),
+    "topk": exdyna_jax.topk,
+    "cltk": exdyna_jax.cltk,
+    "micro": exdyna_jax.micro,
+    "exdyna": exdyna_jax.exdyna,
+}
 
 
 def parse_variant(spec: str, default_steps: int) -> tuple[str, list[str], int]:
@@ -69,15 +85,15 @@ def optimizer(kind: str, rest: list[str], steps: int, args: argparse.Namespace
                                           args.learning_rate / 10)
   clip = optax.clip_by_global_norm(args.clip)
   adamw = optax.chain(clip, optax.adamw(lr, weight_decay=args.weight_decay))
-  method = "topk" if kind.endswith("topk") else "exdyna"
-  base = kind.removesuffix("_topk")
+  method = next(name for name in COMPRESSORS if kind.endswith(name) or name == "exdyna")
+  base = kind.removesuffix(f"_{method}")
 
   def compressor(density: str, value_dtype: str = "float32"):
-    return exdyna_jax.get_sparsifier(method, density=float(density), value_dtype=value_dtype)
+    return COMPRESSORS[method](density=float(density), value_dtype=value_dtype)
 
   if base == "ddp":
     return optax.chain(exdyna_jax.dense(), adamw)
-  if base in ("exdyna", "topk"):
+  if base == method:
     return optax.chain(compressor(rest[0]), adamw)
   if base == "sparse_adamw":
     return optax.chain(clip, exdyna_jax.sparse_adamw(compressor(rest[0]), lr,
@@ -125,8 +141,20 @@ def run_variant(spec: str, args: argparse.Namespace, task: Task, mesh: jax.shard
   return {"variant": spec, "steps": steps, "curve": curve,
           "tokens_per_step": global_batch * args.context,
           "exchanges": totals["steps"], "bytes_sent": totals["bytes_sent"],
-          "transmitted": totals["transmitted"], "target": totals["target"],
+          "transmitted": totals["transmitted"], "overflow": totals["overflow"],
+          "target": totals["target"],
           "seconds": seconds}
+
+
+def earlier_runs(path: pathlib.Path, config: dict) -> list[dict]:
+  """The runs in ``path``, refused unless made with ``config`` (but for the variants)."""
+  earlier = json.loads(path.read_text())
+  differ = sorted(key for key in {*config, *earlier["config"]} - {"variants"}
+                  if config.get(key) != earlier["config"].get(key))
+  if differ:
+    raise SystemExit(f"--append: {path} was made with other settings ({', '.join(differ)})")
+  config["variants"] = ",".join([earlier["config"]["variants"], config["variants"]])
+  return earlier["runs"]
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -151,6 +179,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
   parser.add_argument("--test-windows", type=int, default=256)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--quick", action="store_true", help="a few steps of a tiny model")
+  parser.add_argument("--append", action="store_true",
+                      help="keep the runs already in --out (made with the same settings), "
+                      "replacing any variant run again")
   parser.add_argument("--out", type=pathlib.Path, default=_common.RESULTS / "language_model.json")
   args = parser.parse_args(argv)
   if args.quick:
@@ -161,11 +192,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
                              layers=args.layers, heads=args.heads,
                              test_windows=args.test_windows)
   mesh = _common.mesh_of(args.workers)
-  config = {key: value for key, value in vars(args).items() if key not in ("out", "quick")}
-  payload = {"config": config, "runs": []}
+  config = {key: value for key, value in vars(args).items()
+            if key not in ("out", "quick", "append")}
+  payload = {"config": config, "runs": earlier_runs(args.out, config) if args.append else []}
   for spec in args.variants.split(","):
     run = run_variant(spec, args, task, mesh)
-    payload["runs"].append(run)
+    payload["runs"] = [r for r in payload["runs"] if r["variant"] != spec] + [run]
     _common.log(f"{spec:28s} test loss {run['curve'][-1]['test_loss']:.4f}  sent "
                 f"{run['bytes_sent'] / 1e6:10.3f} MB  {run['seconds']:7.1f} s")
     _common.write_json(args.out, payload)  # after every run: a long sweep keeps what it has

@@ -39,6 +39,7 @@ def network_seconds(run: dict, step: int, workers: int, rate: float) -> float:
 
 def _rows(data: dict[str, Any], ddp: dict) -> list[list[str]]:
   target, workers = ddp["curve"][-1]["test_loss"], data["config"]["workers"]
+  num_elements = ddp["transmitted"] / ddp["exchanges"]  # dense sends every element
   ddp_of_length = {run["steps"]: run["curve"][-1]["test_loss"] for run in data["runs"]
                    if run["variant"].partition(":")[0] == "ddp"}
   rows = []
@@ -57,8 +58,7 @@ def _rows(data: dict[str, Any], ddp: dict) -> list[list[str]]:
         f"{final / equal_steps - 1:+.1%}" if equal_steps else "",
         f"{run['bytes_sent'] / 2**20:.2f}",
         f"{ddp['bytes_sent'] / ddp['steps'] / (run['bytes_sent'] / run['steps']):,.0f}x",
-        f"{run['transmitted'] / run['target']:.3f}" if not run["variant"].startswith("ddp")
-        else "",
+        f"{run['transmitted'] / run['exchanges'] / num_elements:.2%}",
         *cells,
     ])
   return rows
@@ -82,13 +82,15 @@ def language_model_section(rep, data: dict[str, Any] | None, table, name: str) -
       f"AdamW (peak {config['learning_rate']}, warm-up-cosine, weight decay "
       f"{config['weight_decay']}, clipping {config['clip']}); the same batches for every run. "
       "Test loss in nats per byte. Bytes: what each worker sent over its run (the stats' ring "
-      "count). `sent/k`: indices transmitted over the `k` asked for. Time to `ddp`'s final "
+      "count). `indices / N`: the coordinates an exchange sent (a step's, or with local steps "
+      "a sync's), a share of the parameters; `topk@D` asks each worker for `D`, so its union "
+      "is larger. Time to `ddp`'s final "
       f"loss: the steps' seconds measured here (all {config['workers']} workers on this "
       f"machine's cores, so compute is overstated) plus, per exchange, {MESSAGE_SECONDS * 1e3:.0f} "
       "ms a message and the bytes at the link's rate."
   )
   header = ["run", "steps", "final test loss", "vs ddp of its length", "MiB sent",
-            "ddp's bytes a step /", "sent/k", "steps to ddp's loss", "MiB to it",
+            "ddp's bytes a step /", "indices / N", "steps to ddp's loss", "MiB to it",
             *(f"seconds to it, {name}" for name in RATES)]
   rep.add(table(header, _rows(data, ddp)))
   by_tokens = {run["variant"]: [(p["step"] * run["tokens_per_step"], p["test_loss"])
