@@ -27,6 +27,31 @@ class SteeredTopKState(NamedTuple):
       smallest of the workers' thresholds).
     leaves_seen: `_layout.LeavesSeen`, static: which leaves of the params
       tree ``init`` saw.
+
+  Example:
+    Eight workers under ``jax.vmap``, each asked for ``k = 40`` of
+    ``N = 4096``. The gradients are 12 times the initial threshold
+    ``1 / (2 sqrt(40))``, so the first steps pass far more than ``k`` (only
+    ``k`` are sent; the rest stay in the residual), and the threshold is
+    found within a few steps:
+
+    >>> import jax, jax.numpy as jnp, exdyna_jax
+    >>> tx = exdyna_jax.topk(0.01, exact=False)
+    >>> params = jnp.zeros(4096)
+    >>> def run(grads):  # runs per worker: four steps
+    ...   state, passed = tx.init(params), []
+    ...   for g in grads:
+    ...     state = tx.update(g, state, params)[1]
+    ...     passed.append(state.stats.workloads)
+    ...   return state, jnp.stack(passed)
+    >>> grads = jax.random.normal(jax.random.key(0), (8, 4, 4096))
+    >>> state, passed = jax.vmap(run, axis_name="data")(grads)
+    >>> type(state).__name__, state.threshold.shape  # a threshold each
+    ('SteeredTopKState', (8,))
+    >>> print(passed[0, 0, :4], passed[0, -1, :4])  # four workers' counts, first and last step
+    [1485 1404 1586 1592] [40 40 38 41]
+    >>> bool(jnp.all(jnp.abs(passed[0, -1] / 40 - 1) < 0.1))  # every worker within 10 %
+    True
   """
 
   residual: jax.Array
@@ -65,8 +90,10 @@ def topk(
   thresholds around its last threshold, interpolates the threshold its
   ``k``-th largest magnitude lies at (the count curve of `exdyna`'s
   adaptive controller, here on the worker's own vector), and sends the
-  lowest ``k`` indices that pass it. The count is met to a few per cent;
-  what passes beyond ``k`` stays in the residual (``stats.overflow``), and
+  lowest ``k`` indices that pass it. The count is met to a few per cent
+  once the threshold is found (a few steps from ``1 / (2 sqrt(k))``, see
+  `SteeredTopKState`); what passes beyond ``k`` stays in the residual
+  (``stats.overflow``), and
   ``stats.workloads`` is each worker's count that passed. The buffers are
   those of the exact method (its side information one integer longer). The
   state is a `SteeredTopKState`.

@@ -110,7 +110,11 @@ def sparse_adamw(
   sparse_adamw(...))`` (each worker clips its own gradient).
 
   Args:
-    sparsifier: a method of this package, e.g. ``exdyna(0.01)``.
+    sparsifier: a method of this package. ``topk(d / n, exact=False)`` on
+      ``n`` workers (each worker's own ``d / n`` largest, about ``d`` of the
+      coordinates in all) kept the most quality per byte on the transformer
+      language models measured (:doc:`/usage`, "Momentum and Adam with a
+      sparsifier"); ``exdyna(d)`` sends exactly ``d``.
     learning_rate: as for ``optax.adamw`` (a number or a schedule).
     b2: decay of each worker's second moment.
     eps: added to the root of the second moment.
