@@ -21,7 +21,7 @@ def numpy_solve(thresholds, counts, target, largest=None):
   """The rule in float64; ``largest`` adds the point (largest, 1) and caps the result."""
   if largest is not None:
     if counts[0] == counts[-1] > target:  # every probe below the distribution
-      return largest / _count_curve.MAX_EXTRAPOLATION
+      return min(max(largest / _count_curve.MAX_EXTRAPOLATION, max(thresholds)), largest)
     points = sorted([*zip(thresholds, counts, strict=True), (largest, 1)])
     thresholds, counts = [p[0] for p in points], [p[1] for p in points]
     return min(numpy_solve(thresholds, counts, target), largest)
@@ -98,6 +98,7 @@ def test_matches_the_numpy_rule_on_a_measured_cliff(target):
     [
         ([0] * 17, 0.003),  # every probe above the largest magnitude: restart below it
         ([50_000] * 17, 40.0),  # every probe below the distribution: restart at largest / 4
+        ([50_000] * 17, 0.03),  # ... within 4x of the largest: at the highest probe, not below
         ([50_000] * 9 + [40_000, 30_000, 20_000] + [10_000] * 5, 40.0),  # bracketed by largest
         ([900, 800, 700, 600, 500, 400, 300, 200, 100, 90, 80, 70, 60, 50, 40, 30, 20], 0.05),
     ],

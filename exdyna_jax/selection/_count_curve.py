@@ -44,7 +44,9 @@ def solve_count_curve(
       all lie above or all far below ``target`` is bracketed), and the result
       never exceeds it. When every probe passes the same number of
       elements, more than ``target`` (they all lie below the distribution),
-      the result is ``largest / MAX_EXTRAPOLATION``.
+      the result is ``largest / MAX_EXTRAPOLATION``, or the highest probe
+      where that lies below it (then the next probes start higher), at
+      most ``largest``.
     return_inside: also return whether the result was interpolated between
       two measured points (not extrapolated, not restarted).
 
@@ -55,7 +57,7 @@ def solve_count_curve(
     clamped to ``SLOPE_RANGE``, at most ``MAX_EXTRAPOLATION`` beyond the end
     point.
   """
-  probe_counts = counts
+  probe_counts, highest_probe = counts, thresholds[-1]
   if largest is not None:
     thresholds = jnp.concatenate([thresholds, jnp.reshape(largest, (1,)).astype(jnp.float32)])
     counts = jnp.concatenate([counts, jnp.ones((1,), counts.dtype)])
@@ -82,9 +84,12 @@ def solve_count_curve(
     # Every probe passes the same elements, more than wanted: the probes lie
     # below the whole distribution and say nothing of its shape. Restart a
     # factor MAX_EXTRAPOLATION below the largest magnitude (as a
-    # curve whose probes all lie above it does) instead of creeping up.
+    # curve whose probes all lie above it does) instead of creeping up, but
+    # never below the highest probe: a distribution within that factor of
+    # its largest magnitude would bring the probes back below it every step.
+    restart = jnp.maximum(jnp.log(largest) - reach, jnp.log(highest_probe))
     saturated = (probe_counts[0] == probe_counts[-1]) & (probe_counts[-1] > target)
-    log_threshold = jnp.where(saturated, jnp.log(largest) - reach, log_threshold)
+    log_threshold = jnp.where(saturated, jnp.minimum(restart, jnp.log(largest)), log_threshold)
     inside = inside & ~saturated
   threshold = jnp.exp(log_threshold).astype(jnp.float32)
   return (threshold, inside) if return_inside else threshold
