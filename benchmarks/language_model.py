@@ -78,6 +78,13 @@ def parse_variant(spec: str, default_steps: int) -> tuple[str, list[str], int]:
   return kind, rest, int(steps) if steps else default_steps
 
 
+def compressor_of(kind: str) -> tuple[str, str]:
+  """``"sparse_adamw_topk_steered"`` -> ``("topk_steered", "sparse_adamw")``: the
+  compressor the name ends with (`COMPRESSORS`, ExDyna by default) and its role."""
+  method = next(name for name in COMPRESSORS if kind.endswith(name) or name == "exdyna")
+  return method, kind.removesuffix(f"_{method}")
+
+
 def optimizer(kind: str, rest: list[str], steps: int, args: argparse.Namespace
               ) -> optax.GradientTransformation:
   """The optimizer a variant names (see the module docstring)."""
@@ -85,8 +92,7 @@ def optimizer(kind: str, rest: list[str], steps: int, args: argparse.Namespace
                                           args.learning_rate / 10)
   clip = optax.clip_by_global_norm(args.clip)
   adamw = optax.chain(clip, optax.adamw(lr, weight_decay=args.weight_decay))
-  method = next(name for name in COMPRESSORS if kind.endswith(name) or name == "exdyna")
-  base = kind.removesuffix(f"_{method}")
+  method, base = compressor_of(kind)
 
   def compressor(density: str, value_dtype: str = "float32"):
     return COMPRESSORS[method](density=float(density), value_dtype=value_dtype)
@@ -153,7 +159,8 @@ def earlier_runs(path: pathlib.Path, config: dict) -> list[dict]:
                   if config.get(key) != earlier["config"].get(key))
   if differ:
     raise SystemExit(f"--append: {path} was made with other settings ({', '.join(differ)})")
-  config["variants"] = ",".join([earlier["config"]["variants"], config["variants"]])
+  both = [*earlier["config"]["variants"].split(","), *config["variants"].split(",")]
+  config["variants"] = ",".join(dict.fromkeys(both))
   return earlier["runs"]
 
 

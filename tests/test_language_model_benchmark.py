@@ -28,3 +28,22 @@ def test_quick_run_records_each_variant_and_the_report_compares_them_with_ddp(tm
   text = "\n".join(report.parts)
   assert "| `local@4@0.1:16` | 16 |" in text and "steps to ddp's loss" in text
   assert (tmp_path / "language_model.png").exists()
+
+
+def test_append_keeps_runs_made_with_the_same_settings_only(tmp_path):
+  out = tmp_path / "language_model.json"
+  out.write_text(json.dumps({"config": {"variants": "ddp,topk@0.01", "steps": 300},
+                             "runs": [{"variant": "ddp"}, {"variant": "topk@0.01"}]}))
+  config = {"variants": "topk@0.01,cltk@0.01", "steps": 300}
+  assert language_model.earlier_runs(out, config) == [{"variant": "ddp"}, {"variant": "topk@0.01"}]
+  assert config["variants"] == "ddp,topk@0.01,cltk@0.01"
+  with pytest.raises(SystemExit, match=r"other settings \(steps\)"):
+    language_model.earlier_runs(out, {"variants": "ddp", "steps": 900})
+
+
+@pytest.mark.parametrize(("kind", "method", "role"), [
+    ("sparse_adamw_topk_steered", "topk_steered", "sparse_adamw"),
+    ("local_cltk", "cltk", "local"), ("sparse_adamw", "exdyna", "sparse_adamw"),
+    ("topk", "topk", "topk")])
+def test_a_variant_names_its_compressor_by_suffix(kind, method, role):
+  assert language_model.compressor_of(kind) == (method, role)

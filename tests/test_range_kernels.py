@@ -7,8 +7,8 @@ the probe counts and the largest magnitude of the range, the lowest ``C``
 passing indices and the pass count, for ranges that start and end inside
 blocks and programs, at the vector's end, empty, with NaN, and under
 ``vmap`` with a range per worker; and a whole ExDyna, MiCRO or steered
-Top-k run must be the same bit for bit. The step lowers for CUDA with three Triton kernels,
-and GPUs older than Ampere keep the loops.
+Top-k run must be the same bit for bit. The step lowers for CUDA with
+three Triton kernels, and GPUs older than Ampere keep the loops.
 """
 
 from __future__ import annotations

@@ -85,18 +85,18 @@ def topk(
   magnitudes (it rides on the index all-gather); ``stats.workloads`` is ``k``
   per worker.
 
-  ``exact=False`` replaces the sort by two passes over ``N`` and no
-  collective: each worker counts how many elements pass 27 probe
-  thresholds around its last threshold, interpolates the threshold its
-  ``k``-th largest magnitude lies at (the count curve of `exdyna`'s
-  adaptive controller, here on the worker's own vector), and sends the
-  lowest ``k`` indices that pass it. The count is met to a few per cent
-  once the threshold is found (a few steps from ``1 / (2 sqrt(k))``, see
-  `SteeredTopKState`); what passes beyond ``k`` stays in the residual
-  (``stats.overflow``), and
-  ``stats.workloads`` is each worker's count that passed. The buffers are
-  those of the exact method (its side information one integer longer). The
-  state is a `SteeredTopKState`.
+  ``exact=False`` replaces the sort by two passes over ``N``, and no
+  collective sets the threshold: each worker counts how many elements pass
+  27 probe thresholds around its last threshold, interpolates the
+  threshold its ``k``-th largest magnitude lies at (the count curve of
+  `exdyna`'s adaptive controller, here on the worker's own vector), and
+  sends the lowest ``k`` indices that pass it. The count is met to a few
+  per cent once the threshold is found (a few steps from
+  ``1 / (2 sqrt(k))``, see `SteeredTopKState`); what passes beyond ``k``
+  stays in the residual (``stats.overflow``), and ``stats.workloads`` is
+  each worker's count that passed. The buffers are those of the exact
+  method (its side information one integer longer). The state is a
+  `SteeredTopKState`.
 
   Calling convention: :doc:`/usage`; non-finite gradients: :doc:`/bad_inputs`.
 
