@@ -15,8 +15,8 @@ The points to copy:
 - ``exdyna_jax.data_parallel(tx, mesh, axis_name="data")``: the workers are
   the ``"data"`` axis, the other axes stay the model's; ``nnx_optimizer`` and
   ``nnx_step`` as in ``examples/nnx_shard_map.py``. The parameters keep their
-  shardings, and each worker's gradient is gathered over ``"model"`` into the
-  sparsifier's flat vector (its residual is not split over ``"model"`` yet).
+  shardings, and each device sparsifies the shards it holds: its residual is
+  its own shards' (split over ``"model"``), exchanged over ``"data"``.
 
 Run: python examples/tensor_parallel.py [--steps 300] [--density 0.01] [--method exdyna]
 """

@@ -2,9 +2,10 @@
 
 On a ``("data", "model")`` mesh, of Auto axes or of Explicit ones (``jax.make_mesh``'s
 default), the parameters keep the shardings they arrive with over ``model`` after any
-number of steps, and every method steps them as it steps the same parameters replicated
-(the replicated run is checked against NumPy models elsewhere). FSDP-style shardings
-(over the data axis) are refused, naming the leaf.
+number of steps. On Auto axes every method steps them as it steps the same parameters
+replicated (the replicated run is checked against NumPy models elsewhere); on Explicit axes
+each device sparsifies its own shards, as the method run on each shard's parts alone.
+FSDP-style shardings (over the data axis) are refused, naming the leaf.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def sharded(params, mesh):
 
 
 @pytest.mark.parametrize(("method", "axis_type"), [
-    ("dense", AUTO), ("exdyna", AUTO), ("topk", AUTO), ("dense", EXPLICIT), ("exdyna", EXPLICIT)])
+    ("dense", AUTO), ("exdyna", AUTO), ("topk", AUTO), ("dense", EXPLICIT)])
 def test_tensor_parallel_params_keep_their_shardings_and_step_as_replicated(method, axis_type):
   mesh = mesh_of(axis_type, axis_type)
   sparsifier = lambda: exdyna_jax.get_sparsifier(  # noqa: E731
@@ -85,6 +86,88 @@ def test_tensor_parallel_params_keep_their_shardings_and_step_as_replicated(meth
                jax.device_get(params), jax.device_get(replicated))
   np.testing.assert_array_equal(stats.transmitted, replicated_stats.transmitted)
   assert float(jnp.abs(params["w1"] - init_params()["w1"]).max()) > 0
+
+
+def shard_parts(tree, shard):
+  """Shard ``shard``'s own parts of a tree (leading axes kept), cut as each device of an
+  Explicit ``model`` axis cuts them: its columns of ``w1``, its rows of ``w2``, and its half
+  of ``b``, which both shards hold."""
+  cols = slice(16 * shard, 16 * (shard + 1))
+  return {"b": tree["b"].reshape(*tree["b"].shape[:-1], 2, 2)[..., shard, :],
+          "w1": tree["w1"][..., cols], "w2": tree["w2"][..., cols, :]}
+
+
+def per_shard_reference(make, params, steps=4):
+  """SGD(0.1) after ``make()`` run on each shard's parts on its own: the method under
+  ``jax.vmap`` over the 4 data workers, one state per shard, no mesh."""
+  txs = [make(), make()]
+  states = [jax.vmap(tx.init, in_axes=None, axis_name="data", axis_size=4)(
+      shard_parts(params, shard)) for shard, tx in enumerate(txs)]
+  transmitted = target = 0
+  for x, y in batches(steps):
+    with jax.set_mesh(mesh_of(AUTO, AUTO)):  # loss_fn's out_sharding needs a mesh
+      grads = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0))(
+          params, (x.reshape(4, 4, 16), y.reshape(4, 4, 4)))
+    parts = []
+    for shard, tx in enumerate(txs):
+      update, states[shard] = jax.vmap(tx.update, axis_name="data")(
+          shard_parts(grads, shard), states[shard])
+      parts.append(jax.tree.map(lambda leaf: leaf[0], update))
+      transmitted += int(states[shard].stats.transmitted[0])
+      target += int(states[shard].stats.target[0])
+    update = {"b": jnp.concatenate([parts[0]["b"], parts[1]["b"]]),
+              "w1": jnp.concatenate([parts[0]["w1"], parts[1]["w1"]], axis=1),
+              "w2": jnp.concatenate([parts[0]["w2"], parts[1]["w2"]], axis=0)}
+    params = jax.tree.map(lambda p, u: p - 0.1 * u, params, update)
+  return params, transmitted, target
+
+
+@pytest.mark.parametrize("method", ["exdyna", "topk"])
+def test_on_explicit_axes_each_device_sparsifies_its_own_shards(method):
+  """On ``jax.make_mesh``'s default Explicit axes each device runs the method on its own
+  shards (a bias both hold, halved): the run equals each shard's parts stepped on their own,
+  the residual is split over ``model`` (no device holds all ``N``), and the stats count the
+  whole model."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  make = lambda: exdyna_jax.get_sparsifier(method, density=0.1)  # noqa: E731
+  dp, step = train_step(optax.chain(make(), optax.sgd(0.1)), mesh)
+  params = sharded(init_params(), mesh)
+  opt_state = dp.init(params)
+  residual = optax.tree.get(opt_state, "residual")
+  assert residual.shape == (4, 2, 322) and residual.sharding.spec == P("data", "model", None)
+  for batch in batches(4):
+    params, opt_state = step(params, opt_state, batch)
+  expected, transmitted, target = per_shard_reference(make, init_params())
+  assert {name: leaf.sharding.spec for name, leaf in params.items()} == SPECS
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               jax.device_get(params), jax.device_get(expected))
+  totals = exdyna_jax.read_totals(dp.stats(opt_state))
+  assert (totals["transmitted"], totals["target"]) == (transmitted, target)
+  assert target == 4 * 2 * 32  # k = floor(0.1 * 322) a shard, each step: 0.1 of the model
+  with pytest.raises(NotImplementedError, match="sharded over Explicit mesh axes"):
+    exdyna_jax.resize_workers(dp.tx, opt_state, params, 2)
+
+
+def test_a_bad_value_in_one_shard_skips_the_step_on_every_shard():
+  """The guard decides over the shards too: a NaN in shard 1's columns of ``w1`` leaves
+  shard 0's parts (and the bias both hold) unchanged as well."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  tx = optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(0.1))
+  dp = exdyna_jax.data_parallel(tx, mesh)
+
+  @dp.step
+  def step(params, opt_state, batch):
+    grads = jax.grad(loss_fn)(params, batch)
+    nan = jnp.zeros((16, 32)).at[0, 20].set(jnp.nan)  # column 20: shard 1's
+    grads = {**grads, "w1": grads["w1"] + jax.sharding.reshard(nan, P(None, "model"))}
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  before = sharded(init_params(), mesh)
+  expected = jax.device_get(before)
+  params, opt_state = step(before, dp.init(before), next(batches(1)))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), expected)
+  assert exdyna_jax.read_totals(dp.stats(opt_state))["skipped_steps"] == 1
 
 
 def test_density_one_on_sharded_params_is_dense():
@@ -129,10 +212,11 @@ def test_fsdp_style_shardings_are_refused_naming_the_leaf():
 @pytest.mark.parametrize("wrapper", ["sparse_adamw", "local_steps"])
 def test_the_wrappers_keep_explicit_shardings_and_step_as_replicated(wrapper):
   """`sparse_adamw` (its second moment sharded like the parameters) and `local_steps`
-  (each worker's own parameters) on ``jax.make_mesh``'s default Explicit axes."""
-  make = {"sparse_adamw": lambda: exdyna_jax.sparse_adamw(exdyna_jax.exdyna(0.1), 1e-2),
+  (each worker's own parameters) on ``jax.make_mesh``'s default Explicit axes, their
+  sparsifier per shard: at density 1 the run is the replicated one."""
+  make = {"sparse_adamw": lambda: exdyna_jax.sparse_adamw(exdyna_jax.exdyna(1.0), 1e-2),
           "local_steps": lambda: exdyna_jax.local_steps(
-              optax.sgd(0.1), sync_every=2, compressor=exdyna_jax.exdyna(0.1))}[wrapper]
+              optax.sgd(0.1), sync_every=2, compressor=exdyna_jax.exdyna(1.0))}[wrapper]
   mesh = jax.make_mesh((4, 2), ("data", "model"))
   assert mesh.axis_types == (EXPLICIT, EXPLICIT)
   params, _ = train(make(), sharded(init_params(), mesh), mesh, sgd=False)
@@ -142,10 +226,11 @@ def test_the_wrappers_keep_explicit_shardings_and_step_as_replicated(wrapper):
                jax.device_get(params), jax.device_get(replicated))
 
 
-@pytest.mark.parametrize("axis_type", [AUTO, EXPLICIT])
-def test_an_nnx_model_partitioned_with_flax_keeps_its_shardings(axis_type):
+@pytest.mark.parametrize(("axis_type", "density"), [(AUTO, 0.1), (EXPLICIT, 1.0)])
+def test_an_nnx_model_partitioned_with_flax_keeps_its_shardings(axis_type, density):
   """``nnx.with_partitioning`` on a ``(data, model)`` mesh, as Flax's sharding guide writes it,
-  stepped by `nnx_optimizer` and `nnx_step`: the same parameters as the replicated model."""
+  stepped by `nnx_optimizer` and `nnx_step`: the same parameters as the replicated model (on
+  Explicit axes, where each device sparsifies its own shards, at density 1)."""
   from flax import nnx
 
   mesh = mesh_of(axis_type, axis_type)
@@ -168,7 +253,7 @@ def test_an_nnx_model_partitioned_with_flax_keeps_its_shardings(axis_type):
       state = nnx.state(model)
       nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state))
                  if shard else jax.device_put(state, jax.NamedSharding(mesh, P())))
-    tx = optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(0.1))
+    tx = optax.chain(exdyna_jax.exdyna(density), optax.sgd(0.1))
     dp = exdyna_jax.data_parallel(tx, mesh)
     optimizer = exdyna_jax.nnx_optimizer(dp, model, wrt=nnx.Param)
 

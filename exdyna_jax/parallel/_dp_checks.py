@@ -20,6 +20,7 @@ import optax
 
 from exdyna_jax.core import _stats
 from exdyna_jax.parallel import _mesh_axes
+from exdyna_jax.shell import _guard
 from exdyna_jax.wrappers import _local_steps
 from exdyna_jax.wrappers._local_rms import LocalRMSState
 
@@ -59,6 +60,25 @@ def check_batch(batch: Any, num_workers: int) -> None:
       "per example; pass other arrays after the batch: train_step(params, opt_state, "
       "batch, extra)."
   )
+
+
+def refuse_misfit_state(opt_state: Any, num_workers: int, axis_name: Any) -> None:
+  """On the host, before a step: raises where the state records another worker count.
+
+  A state the step did not return (a restore) may have had its worker axis
+  cut or padded to fit. The guard stops such a state inside the step too;
+  this check names it before any device runs, where a device stopped in the
+  step could leave its peers waiting in a collective over the model's axes.
+  """
+  if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(opt_state)):
+    return  # under a jit of the user's: the guard's check
+  for state in jax.tree.leaves(opt_state, is_leaf=_stats.is_sparsifier_state):
+    if _stats.is_sparsifier_state(state):
+      recorded = state.stats.num_workers  # this process's rows: a fit is a fit on every host
+      recorded = [shard.data for shard in getattr(recorded, "addressable_shards", [])] or recorded
+      _guard.raise_if_state_does_not_fit(
+          np.concatenate([np.ravel(rows) for rows in jax.device_get(recorded)]), np.int32(0),
+          np.int32(0), num_workers=num_workers, axis_name=axis_name, leaves="")
 
 
 def check_worker_axis(opt_state: Any, num_workers: int) -> None:

@@ -68,6 +68,8 @@ def resize_workers(
     ValueError: if ``num_workers`` is below 1, the state's leaves do not
       have a common leading worker axis matching ``tx``, or an integer leaf
       differs between workers.
+    NotImplementedError: for the state of a model sharded over Explicit
+      mesh axes (a row per shard).
     TypeError: if ``num_workers`` is not an int.
 
   Example:
@@ -98,6 +100,12 @@ def resize_workers(
         "resize_workers needs the state as the training step holds it: every leaf with a "
         f"leading worker axis of the same length (found leading sizes {sorted(map(str, leading))})."
     )
+  if any(_stats.is_sparsifier_state(node) and np.ndim(node.stats.num_workers) > 1
+         for node in jax.tree.leaves(state, is_leaf=_stats.is_sparsifier_state)):
+    raise NotImplementedError(
+        "resize_workers cannot resize the state of a model sharded over Explicit mesh axes "
+        "yet (a row per shard after the worker axis): continue on the same number of data "
+        "workers, or init a fresh state on the new mesh.")
   # Wherever they were restored: the result lives, uncommitted, on the default device.
   state, params = jax.device_get((state, params))
   try:

@@ -25,6 +25,7 @@ from jax import P
 
 from exdyna_jax.core import _stats
 from exdyna_jax.parallel import _dp_checks, _mesh_axes
+from exdyna_jax.shell import _per_shard
 from exdyna_jax.wrappers import _local_steps
 
 
@@ -84,7 +85,7 @@ class DataParallel(NamedTuple):
       its own shard of ``batch`` (leading axis sharded over the mesh axis), and
       no gradient is all-reduced.
     stats: ``opt_state -> SparsifierStats`` without the worker axis (the
-      stats are identical on every worker).
+      same on every worker); with shards (below), the whole model's counts.
     tx: the optimizer it wires.
     mesh: the mesh it runs on.
     axis_name: the data-parallel mesh axis.
@@ -127,15 +128,16 @@ def data_parallel(
   Args:
     tx: the optimizer, e.g. ``optax.chain(exdyna_jax.exdyna(...), ...)``.
     mesh: a mesh with an axis called ``axis_name``. Its other axes stay
-      XLA's: parameters sharded over them (tensor parallel, Auto or Explicit
-      axes) keep their shardings; everything else is replicated over them.
+      XLA's: parameters sharded over them (tensor parallel) keep their
+      shardings; everything else is replicated over them. On Explicit axes
+      each device sparsifies the shards it holds: the method's state has one
+      row per device along them after the worker axis (:doc:`/usage`).
     axis_name: the data-parallel mesh axis, or a tuple of them: the workers
       are their devices (``("node", "local")`` for a `hierarchical`
       sparsifier, whose state differs per device on both axes).
 
   Returns:
-    A `DataParallel` of ``init``, ``step``, ``update``, ``value_and_grad``
-    and ``stats``.
+    A `DataParallel` (``init``, ``step``, ``update``, ``value_and_grad``, ``stats``).
 
   Raises:
     ValueError: if ``mesh`` has no axis ``axis_name``; from ``init``, on a
@@ -143,8 +145,7 @@ def data_parallel(
       more than one device that ``axis_name`` leaves out (a `hierarchical`
       sparsifier's fast axis: the batch and the state would be replicated
       over it), or never over one that it names.
-    NotImplementedError: from ``init`` and the step, for parameters sharded
-      over a data axis (FSDP).
+    NotImplementedError: from ``init`` and the step, for params sharded over a data axis (FSDP).
 
   Warns:
     UserWarning: for an axis of one device (nothing to exchange; the usual
@@ -264,7 +265,8 @@ def data_parallel(
   step = functools.partial(step_decorator, mesh, axis_name)
 
   def stats(opt_state):
-    return first_worker(_stats.get_stats(opt_state), mesh)
+    stats = first_worker(_stats.get_stats(opt_state), mesh)
+    return _per_shard.summed_over_shards(stats) if stats.num_workers.ndim else stats
 
   return DataParallel(init, step, update, value_and_grad, stats, tx, mesh, axis_name)
 
@@ -358,6 +360,7 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
                    out_shardings=(None, jax.tree.unflatten(*param_shardings), None))
 
   checked = []  # the params' copies are compared after the first call
+  returned = []  # the first leaf of the state the last call returned
   differs = jax.jit(shard(functools.partial(
       jax.tree.map, lambda x: _dp_checks.differs_across(x, axis_name)), P(), P()))
 
@@ -371,12 +374,14 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
       )
     _dp_checks.check_batch(batch, workers)
     _dp_checks.check_worker_axis(opt_state, workers)
-    # Placed as the step takes them (no copy where they are already): an
-    # Explicit mesh (jax.make_mesh's default) accepts nothing else.
+    if not (returned and jax.tree.leaves(opt_state)[0] is returned[0]):  # from elsewhere
+      _dp_checks.refuse_misfit_state(opt_state, workers, axis_name)
+    # Placed as the step takes them (no copy if so): an Explicit mesh accepts nothing else.
     params = place_params(params, mesh, axis_name)
     batch, args = jax.device_put((batch, args), (split, replicated))
     opt_state, params, aux = state_first(len(args), shardings_of(params))(
         params, opt_state, batch, *args)
+    returned[:] = jax.tree.leaves(opt_state)[:1]
     if not checked and not any(  # under a jit of the user's, nothing to read
         isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(params)):
       _dp_checks.refuse_per_worker_params(differs(params))

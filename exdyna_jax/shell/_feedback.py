@@ -28,7 +28,7 @@ import numpy as np
 
 from exdyna_jax.core import _collectives, _layout, _options, _stats
 from exdyna_jax.exchange import _exchange
-from exdyna_jax.shell import _density_schedule, _guard
+from exdyna_jax.shell import _density_schedule, _guard, _per_shard
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -93,6 +93,10 @@ def error_feedback_transform(
   """
 
   def init_fn(params: Any) -> Any:
+    axes = _per_shard.shard_axes()
+    return _per_shard.per_shard_init(init_vector, params, axes) if axes else init_vector(params)
+
+  def init_vector(params: Any) -> Any:
     layout = _layout.layout_of(params, what="params")
     num_workers = _collectives.axis_size(axis_name)
     residual = jnp.zeros((layout.num_elements,), _layout.ACCUMULATION_DTYPE)
@@ -103,8 +107,10 @@ def error_feedback_transform(
     )
     return state._replace(leaves_seen=_layout.leaves_seen(params))
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, _shard_axes=(), **extra_args):
     del extra_args
+    if not _shard_axes and (axes := _per_shard.shard_axes()):  # each device its own shards
+      return _per_shard.per_shard_update(update_fn, updates, state, params, axes)
     given, updates = updates, _layout.gathered(updates)
     layout, num_workers = check_update(updates, state, params, axis_name)
     # The step is traced in 32-bit mode whatever jax_enable_x64 says: its
@@ -112,7 +118,9 @@ def error_feedback_transform(
     # made. Only the update is cast back to the leaves' dtypes (float64 too).
     with jax.enable_x64(False):
       fingerprint, leaves = _layout.fingerprint(updates)
-      screened = _guard.screen(updates, state.stats, num_workers, axis_name, layout=fingerprint)
+      screened = _guard.screen(updates, state.stats, num_workers,
+                               _per_shard.with_shard_axes(axis_name, _shard_axes),
+                               layout=fingerprint)
       accumulated = accumulate(updates, state.residual, screened.nonfinite)  # [1, N]
       # The method sees neither the residual nor leaves_seen: the shell owns both.
       previous = state._replace(residual=None, leaves_seen=None)
