@@ -4,8 +4,9 @@ On a ``("data", "model")`` mesh, of Auto axes or of Explicit ones (``jax.make_me
 default), the parameters keep the shardings they arrive with over ``model`` after any
 number of steps. On Auto axes every method steps them as it steps the same parameters
 replicated (the replicated run is checked against NumPy models elsewhere); on Explicit axes
-each device sparsifies its own shards, as the method run on each shard's parts alone.
-FSDP-style shardings (over the data axis) are refused, naming the leaf.
+each device sparsifies its own shards, as the method run on each shard's parts alone, on
+a ``(data, model)`` mesh and on an HSDP ``(data, fsdp)`` one. FSDP-style shardings over the
+data axis itself are refused, naming the leaf.
 """
 
 from __future__ import annotations
@@ -88,37 +89,51 @@ def test_tensor_parallel_params_keep_their_shardings_and_step_as_replicated(meth
   assert float(jnp.abs(params["w1"] - init_params()["w1"]).max()) > 0
 
 
-def shard_parts(tree, shard):
-  """Shard ``shard``'s own parts of a tree (leading axes kept), cut as each device of an
-  Explicit ``model`` axis cuts them: its columns of ``w1``, its rows of ``w2``, and its half
-  of ``b``, which both shards hold."""
-  cols = slice(16 * shard, 16 * (shard + 1))
-  return {"b": tree["b"].reshape(*tree["b"].shape[:-1], 2, 2)[..., shard, :],
-          "w1": tree["w1"][..., cols], "w2": tree["w2"][..., cols, :]}
+TENSOR_PARALLEL = {"w1": -1, "w2": -2, "b": None}  # the dimension each leaf is split along
+HSDP = {"w1": -2, "w2": -1, "b": None}
 
 
-def per_shard_reference(make, params, steps=4):
+def shard_parts(tree, shard, shards, split):
+  """Shard ``shard`` of ``shards``'s own parts of a tree (leading axes kept), as each device
+  of the model axis cuts them: its slice along the dimension ``split`` names, or, of a leaf
+  every device holds (``None``), its equal flat part."""
+  def part(leaf, dim):
+    if dim is None:
+      return leaf.reshape(*leaf.shape[:-1], shards, -1)[..., shard, :]
+    size = leaf.shape[dim] // shards
+    return jax.lax.slice_in_dim(leaf, shard * size, (shard + 1) * size, axis=dim)
+  return {name: part(leaf, split[name]) for name, leaf in tree.items()}
+
+
+def joined(parts, split):
+  """The inverse of `shard_parts`: the parts of every shard, concatenated."""
+  return {name: jnp.concatenate([part[name] for part in parts], axis=split[name] or -1)
+          for name in parts[0]}
+
+
+def plain_loss(params, batch):
+  x, y = batch
+  return jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"] + params["b"] - y) ** 2)
+
+
+def per_shard_reference(make, params, split, shards, workers, steps=4):
   """SGD(0.1) after ``make()`` run on each shard's parts on its own: the method under
-  ``jax.vmap`` over the 4 data workers, one state per shard, no mesh."""
-  txs = [make(), make()]
-  states = [jax.vmap(tx.init, in_axes=None, axis_name="data", axis_size=4)(
-      shard_parts(params, shard)) for shard, tx in enumerate(txs)]
+  ``jax.vmap`` over the data workers, one state per shard, no mesh."""
+  txs = [make() for _ in range(shards)]
+  states = [jax.vmap(tx.init, in_axes=None, axis_name="data", axis_size=workers)(
+      shard_parts(params, shard, shards, split)) for shard, tx in enumerate(txs)]
   transmitted = target = 0
   for x, y in batches(steps):
-    with jax.set_mesh(mesh_of(AUTO, AUTO)):  # loss_fn's out_sharding needs a mesh
-      grads = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0))(
-          params, (x.reshape(4, 4, 16), y.reshape(4, 4, 4)))
+    grads = jax.vmap(jax.grad(plain_loss), in_axes=(None, 0))(
+        params, (x.reshape(workers, -1, 16), y.reshape(workers, -1, 4)))
     parts = []
     for shard, tx in enumerate(txs):
       update, states[shard] = jax.vmap(tx.update, axis_name="data")(
-          shard_parts(grads, shard), states[shard])
+          shard_parts(grads, shard, shards, split), states[shard])
       parts.append(jax.tree.map(lambda leaf: leaf[0], update))
       transmitted += int(states[shard].stats.transmitted[0])
       target += int(states[shard].stats.target[0])
-    update = {"b": jnp.concatenate([parts[0]["b"], parts[1]["b"]]),
-              "w1": jnp.concatenate([parts[0]["w1"], parts[1]["w1"]], axis=1),
-              "w2": jnp.concatenate([parts[0]["w2"], parts[1]["w2"]], axis=0)}
-    params = jax.tree.map(lambda p, u: p - 0.1 * u, params, update)
+    params = jax.tree.map(lambda p, u: p - 0.1 * u, params, joined(parts, split))
   return params, transmitted, target
 
 
@@ -137,7 +152,7 @@ def test_on_explicit_axes_each_device_sparsifies_its_own_shards(method):
   assert residual.shape == (4, 2, 322) and residual.sharding.spec == P("data", "model", None)
   for batch in batches(4):
     params, opt_state = step(params, opt_state, batch)
-  expected, transmitted, target = per_shard_reference(make, init_params())
+  expected, transmitted, target = per_shard_reference(make, init_params(), TENSOR_PARALLEL, 2, 4)
   assert {name: leaf.sharding.spec for name, leaf in params.items()} == SPECS
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                jax.device_get(params), jax.device_get(expected))
@@ -146,6 +161,44 @@ def test_on_explicit_axes_each_device_sparsifies_its_own_shards(method):
   assert target == 4 * 2 * 32  # k = floor(0.1 * 322) a shard, each step: 0.1 of the model
   with pytest.raises(NotImplementedError, match="sharded over Explicit mesh axes"):
     exdyna_jax.resize_workers(dp.tx, opt_state, params, 2)
+
+
+def hsdp_loss(params, batch):
+  """FSDP as Explicit axes write it: the replica's batch split over ``fsdp``, each weight
+  gathered where it is used."""
+  batch = tuple(jax.sharding.reshard(part, P("fsdp")) for part in batch)
+  return plain_loss({**params, **{name: jax.sharding.reshard(params[name], P())
+                                  for name in ("w1", "w2")}}, batch)
+
+
+@pytest.mark.parametrize("density", [0.25, 1.0])
+def test_hsdp_shards_are_sparsified_across_the_replicas(density):
+  """HSDP on a 2 x 4 ``(data, fsdp)`` mesh: the parameters sharded over ``fsdp`` (the fast axis
+  inside a host), each replica's batch split over it too, the replicas over ``data``. XLA
+  reduce-scatters each gradient over ``fsdp``; each device sparsifies the shard it holds
+  across the replicas: the run equals each shard's parts stepped on their own, and at density
+  1 plain data-parallel SGD."""
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+  make = lambda: exdyna_jax.exdyna(density)  # noqa: E731
+  tx = optax.chain(make(), optax.sgd(0.1))
+  dp = exdyna_jax.data_parallel(tx, mesh)
+
+  @dp.step
+  def step(params, opt_state, batch):
+    updates, opt_state = tx.update(jax.grad(hsdp_loss)(params, batch), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  specs = {"w1": P("fsdp", None), "w2": P(None, "fsdp"), "b": P()}
+  params = {name: jax.device_put(leaf, jax.NamedSharding(mesh, specs[name]))
+            for name, leaf in init_params().items()}
+  opt_state = dp.init(params)
+  assert optax.tree.get(opt_state, "residual").sharding.spec == P("data", "fsdp", None)
+  for batch in batches(4):
+    params, opt_state = step(params, opt_state, batch)
+  assert {name: leaf.sharding.spec for name, leaf in params.items()} == specs
+  expected, _, _ = per_shard_reference(make, init_params(), HSDP, 4, 2)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               jax.device_get(params), jax.device_get(expected))
 
 
 def test_a_bad_value_in_one_shard_skips_the_step_on_every_shard():

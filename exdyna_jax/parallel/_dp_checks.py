@@ -258,8 +258,9 @@ def refuse_unsupported_shardings(params: Any, mesh: jax.sharding.Mesh,
       raise NotImplementedError(
           f"The parameter {jax.tree_util.keystr(path)} {sharding.spec} is sharded over the data "
           f"axis {sorted(named & set(data_axes))} (FSDP / ZeRO-3 style), which data_parallel "
-          "does not support yet: shard parameters over other mesh axes only (tensor parallel), "
-          "or replicate them over the data axes.")
+          "does not support yet: shard parameters over other mesh axes only (tensor parallel, "
+          "or HSDP: a ('data', 'fsdp') mesh of Explicit axes, the parameters over 'fsdp'; "
+          "docs/usage.md), or replicate them over the data axes.")
 
 
 def warn_if_not_first(opt_state: Any, params: Any) -> None:
