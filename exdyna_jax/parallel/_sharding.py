@@ -85,7 +85,7 @@ class DataParallel(NamedTuple):
       its own shard of ``batch`` (leading axis sharded over the mesh axis), and
       no gradient is all-reduced.
     stats: ``opt_state -> SparsifierStats`` without the worker axis (the
-      same on every worker); with shards (below), the whole model's counts.
+      same on every worker); on Explicit model axes, the whole model's counts.
     tx: the optimizer it wires.
     mesh: the mesh it runs on.
     axis_name: the data-parallel mesh axis.
