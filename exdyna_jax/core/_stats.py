@@ -346,6 +346,12 @@ def imbalance_of(workloads: jax.Array) -> jax.Array:
   )
 
 
+def sparsifier_states(tree: Any) -> list[Any]:
+  """Every sparsifier's state in ``tree`` (an optimizer state, chained or wrapped)."""
+  return [node for node in jax.tree.leaves(tree, is_leaf=is_sparsifier_state)
+          if is_sparsifier_state(node)]
+
+
 def get_stats(opt_state: Any) -> SparsifierStats:
   """Returns the `SparsifierStats` inside a (possibly chained) optimizer state.
 

@@ -4,13 +4,15 @@ Each check names the fix. They run outside the compiled step: on the batch
 at every call (`check_batch`, a shape test), on the params ``init`` is given
 (`refuse_unsupported_shardings`), on the leaves each sparsifier's ``init`` saw
 (`refuse_unexchanged_leaves`), on the state ``init`` built
-(`warn_if_not_first`, `warn_if_moments_after`, `check_multi_steps`), and on
-the replicated params after the first call (`refuse_per_worker_params`).
+(`warn_if_not_first`, `warn_if_moments_after`, `check_multi_steps`), on a
+restored state (`refuse_misfit_state`), and on the replicated params after the
+first call (`refuse_per_worker_params`).
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import jax
@@ -62,23 +64,25 @@ def check_batch(batch: Any, num_workers: int) -> None:
   )
 
 
-def refuse_misfit_state(opt_state: Any, num_workers: int, axis_name: Any) -> None:
-  """On the host, before a step: raises where the state records another worker count.
+def refuse_misfit_state(opt_state: Any, num_workers: int, axis_name: Any, *,
+                        last_returned: list[weakref.ref]) -> None:
+  """Raises where a restored state (not ``last_returned``) records another worker count: the
+  guard's check, early (in the step a stopped device can leave its peers in a collective)."""
+  first = jax.tree.leaves(opt_state)[0]
+  if isinstance(first, jax.core.Tracer) or any(ref() is first for ref in last_returned):
+    return  # under a jit of the user's (the guard's check), or the state the step returned
+  for state in _stats.sparsifier_states(opt_state):
+    recorded = state.stats.num_workers  # this process's rows: a fit is a fit on every host
+    recorded = [shard.data for shard in getattr(recorded, "addressable_shards", [])] or recorded
+    _guard.raise_if_state_does_not_fit(
+        np.concatenate([np.ravel(rows) for rows in jax.device_get(recorded)]), np.int32(0),
+        np.int32(0), num_workers=num_workers, axis_name=axis_name, leaves="")
 
-  A state the step did not return (a restore) may have had its worker axis
-  cut or padded to fit. The guard stops such a state inside the step too;
-  this check names it before any device runs, where a device stopped in the
-  step could leave its peers waiting in a collective over the model's axes.
-  """
-  if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(opt_state)):
-    return  # under a jit of the user's: the guard's check
-  for state in jax.tree.leaves(opt_state, is_leaf=_stats.is_sparsifier_state):
-    if _stats.is_sparsifier_state(state):
-      recorded = state.stats.num_workers  # this process's rows: a fit is a fit on every host
-      recorded = [shard.data for shard in getattr(recorded, "addressable_shards", [])] or recorded
-      _guard.raise_if_state_does_not_fit(
-          np.concatenate([np.ravel(rows) for rows in jax.device_get(recorded)]), np.int32(0),
-          np.int32(0), num_workers=num_workers, axis_name=axis_name, leaves="")
+
+def weak_first_leaf(opt_state: Any) -> list[weakref.ref]:
+  """A weak reference to the state's first leaf: known at the next call, not kept alive."""
+  return [weakref.ref(first) for first in jax.tree.leaves(opt_state)[:1]
+          if not isinstance(first, jax.core.Tracer)]
 
 
 def check_worker_axis(opt_state: Any, num_workers: int) -> None:

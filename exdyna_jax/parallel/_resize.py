@@ -100,8 +100,7 @@ def resize_workers(
         "resize_workers needs the state as the training step holds it: every leaf with a "
         f"leading worker axis of the same length (found leading sizes {sorted(map(str, leading))})."
     )
-  if any(_stats.is_sparsifier_state(node) and np.ndim(node.stats.num_workers) > 1
-         for node in jax.tree.leaves(state, is_leaf=_stats.is_sparsifier_state)):
+  if any(np.ndim(node.stats.num_workers) > 1 for node in _stats.sparsifier_states(state)):
     raise NotImplementedError(
         "resize_workers cannot resize the state of a model sharded over Explicit mesh axes "
         "yet (a row per shard after the worker axis): continue on the same number of data "

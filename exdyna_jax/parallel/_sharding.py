@@ -360,7 +360,7 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
                    out_shardings=(None, jax.tree.unflatten(*param_shardings), None))
 
   checked = []  # the params' copies are compared after the first call
-  returned = []  # the first leaf of the state the last call returned
+  returned = []  # a weak reference to the first leaf of the state the last call returned
   differs = jax.jit(shard(functools.partial(
       jax.tree.map, lambda x: _dp_checks.differs_across(x, axis_name)), P(), P()))
 
@@ -374,14 +374,13 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
       )
     _dp_checks.check_batch(batch, workers)
     _dp_checks.check_worker_axis(opt_state, workers)
-    if not (returned and jax.tree.leaves(opt_state)[0] is returned[0]):  # from elsewhere
-      _dp_checks.refuse_misfit_state(opt_state, workers, axis_name)
+    _dp_checks.refuse_misfit_state(opt_state, workers, axis_name, last_returned=returned)
     # Placed as the step takes them (no copy if so): an Explicit mesh accepts nothing else.
     params = place_params(params, mesh, axis_name)
     batch, args = jax.device_put((batch, args), (split, replicated))
     opt_state, params, aux = state_first(len(args), shardings_of(params))(
         params, opt_state, batch, *args)
-    returned[:] = jax.tree.leaves(opt_state)[:1]
+    returned[:] = _dp_checks.weak_first_leaf(opt_state)
     if not checked and not any(  # under a jit of the user's, nothing to read
         isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(params)):
       _dp_checks.refuse_per_worker_params(differs(params))
