@@ -68,9 +68,9 @@ def refuse_misfit_state(opt_state: Any, num_workers: int, axis_name: Any, *,
                         last_returned: list[weakref.ref]) -> None:
   """Raises where a restored state (not ``last_returned``) records another worker count: the
   guard's check, early (in the step a stopped device can leave its peers in a collective)."""
-  first = jax.tree.leaves(opt_state)[0]
-  if isinstance(first, jax.core.Tracer) or any(ref() is first for ref in last_returned):
-    return  # under a jit of the user's (the guard's check), or the state the step returned
+  for first in jax.tree.leaves(opt_state)[:1]:
+    if isinstance(first, jax.core.Tracer) or any(ref() is first for ref in last_returned):
+      return  # under a jit of the user's (the guard's check), or the state the step returned
   for state in _stats.sparsifier_states(opt_state):
     recorded = state.stats.num_workers  # this process's rows: a fit is a fit on every host
     recorded = [shard.data for shard in getattr(recorded, "addressable_shards", [])] or recorded
