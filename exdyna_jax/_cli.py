@@ -9,8 +9,9 @@ import types
 from collections.abc import Callable, Sequence
 
 from exdyna_jax.demo.tasks import TASKS
+from exdyna_jax.demo.trainer import TOPK_UNION, demo_methods
 from exdyna_jax.launch import _shaped_links
-from exdyna_jax.methods._registry import available_sparsifiers, registered_name
+from exdyna_jax.methods._registry import registered_name
 
 DEMO_DESCRIPTION = """\
 Train the same model on real bundled data with `dense` (plain all-reduce) and
@@ -37,7 +38,8 @@ examples:
   exdyna-jax demo --processes 4 --link-rate 1gbit      4 processes behind 1 Gb/s links (root):
                                                        time to dense's accuracy
   exdyna-jax demo --task lm                            a byte-level transformer, AdamW:
-                                                       dense vs exdyna (sparse_adamw)
+                                                       dense vs exdyna and topk_union,
+                                                       each as sparse_adamw
   exdyna-jax demo --task lm --sync-every 30 --density 0.05
                                                        local steps: 5 % of the pseudo-gradient
                                                        every 30 steps
@@ -70,11 +72,13 @@ def _density(text: str) -> float:
 
 
 def _method(text: str) -> str:
+  if text.lower().replace("-", "_") == TOPK_UNION:
+    return TOPK_UNION
   try:
     return registered_name(text)  # case, "-" and "_" ignored, as get_sparsifier does
   except ValueError:
     raise argparse.ArgumentTypeError(
-        f"unknown method {text!r}; choose from {', '.join(available_sparsifiers())}"
+        f"unknown method {text!r}; choose from {', '.join(demo_methods())}"
     ) from None
 
 
@@ -91,9 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
       formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   demo.add_argument(
-      "--method", nargs="+", type=_method, default=["exdyna"], metavar="NAME",
+      "--method", nargs="+", type=_method, default=None, metavar="NAME",
       help="method(s) compared with dense (always run): "
-      f"{', '.join(m for m in available_sparsifiers() if m != 'dense')} (default: exdyna)")
+      f"{', '.join(m for m in demo_methods() if m != 'dense')}; {TOPK_UNION} is the AdamW "
+      "recipe, topk(density / workers, exact=False): each worker its share of --density, "
+      f"their union about --density (default: exdyna; exdyna {TOPK_UNION} for the lm tasks)")
   demo.add_argument("--density", type=_density, default=0.01,
                     help="fraction of gradient elements sent per step (default: 0.01)")
   demo.add_argument("--steps", type=_int_at_least(1), default=None,
@@ -217,6 +223,13 @@ def _demo_config(args: argparse.Namespace, *, task: str, steps: int, eval_every:
   )
 
 
+def demo_methods_of(args: argparse.Namespace) -> list[str]:
+  """``--method``, or the task's default: ExDyna, and on the lm tasks the AdamW recipe too."""
+  if args.method is not None:
+    return args.method
+  return ["exdyna", TOPK_UNION] if (args.task or "").startswith("lm") else ["exdyna"]
+
+
 def run_demo_command(args: argparse.Namespace) -> int:
   """Runs ``exdyna-jax demo`` with parsed arguments; returns the exit status."""
   if args.processes is not None:
@@ -227,9 +240,10 @@ def run_demo_command(args: argparse.Namespace) -> int:
   task = args.task or "digits"
   steps = 300 if task.startswith("lm") else 500
   demo.run_demo(
-      args.method, task=task, config=_demo_config(args, task=task, steps=steps, eval_every=25),
-      workers=args.workers, run_dir=args.run_dir, progress=not args.no_progress,
-      plots=not args.no_plots, wide=args.wide,
+      demo_methods_of(args), task=task,
+      config=_demo_config(args, task=task, steps=steps, eval_every=25), workers=args.workers,
+      run_dir=args.run_dir, progress=not args.no_progress, plots=not args.no_plots,
+      wide=args.wide,
   )
   return 0
 
@@ -240,7 +254,7 @@ def run_cluster_demo_command(args: argparse.Namespace) -> int:
 
   try:
     cluster.run_cluster_demo(
-        args.method, processes=args.processes, link_rate=args.link_rate or "1gbit",
+        demo_methods_of(args), processes=args.processes, link_rate=args.link_rate or "1gbit",
         task=args.task or cluster.DEFAULT_TASK,
         config=_demo_config(args, task=args.task or cluster.DEFAULT_TASK, steps=200,
                             eval_every=10), run_dir=args.run_dir,

@@ -208,6 +208,30 @@ def test_local_steps_of_adamw_on_the_language_model_record_their_syncs():
   assert summary["density"] < 0.05 * 1.5 / 2  # a sync's density, every second step
 
 
+def test_topk_union_shares_the_density_among_the_workers_and_is_the_lm_tasks_default():
+  """``topk_union`` (the AdamW recipe): each worker picks ``floor(d / n * N)`` by its steered
+  threshold; sent/k is the union over the ``n`` workers' ``k``, so about 1 at most."""
+  import jax
+
+  from exdyna_jax.demo import language_model, trainer
+
+  parse = _cli.build_parser().parse_args
+  assert _cli.demo_methods_of(parse(["demo", "--task", "lm"])) == ["exdyna", "topk_union"]
+  assert _cli.demo_methods_of(parse(["demo"])) == ["exdyna"]
+  assert parse(["demo", "--method", "TopK-Union"]).method == ["topk_union"]
+  task = language_model.language_model_task(context=16, width=16, layers=1, heads=2,
+                                            test_windows=8)
+  config = trainer.TrainConfig(steps=5, density=0.04, batch_per_worker=2, learning_rate=3e-3,
+                               warmup_steps=2, eval_every=5, optimizer="adamw")
+  workers = jax.device_count()
+  run = trainer.train_method("topk_union", task, config, trainer.make_mesh(workers))
+  k = int(0.04 / workers * run.num_elements)
+  assert run.target == workers * k
+  # The thresholds start low and reach their counts within two steps.
+  assert all(0.7 < r["sent_over_k"] <= 1.15 for r in run.records[2:]), run.records
+  assert trainer.per_worker({0: 0.25, 10: 0.04}, 4) == {0: 0.0625, 10: 0.01}
+
+
 def test_a_loss_is_reached_at_or_below_denses_and_an_accuracy_at_or_above():
   from exdyna_jax.demo import cluster
 

@@ -74,7 +74,7 @@ def train_timed(variant: str, task: Task, config: TrainConfig, mesh: jax.shardin
                 budget: float | None) -> dict:
   """Trains ``config.steps`` steps (``budget`` None) or ``budget`` seconds; its curve."""
   method, config = variant_config(variant, config)
-  tx = optimizer_for(method, config)
+  tx = optimizer_for(method, config, mesh.size)
   dp = exdyna_jax.data_parallel(tx, mesh, axis_name=AXIS)
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   sharded = jax.sharding.NamedSharding(mesh, jax.P(AXIS))

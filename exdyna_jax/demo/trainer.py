@@ -120,17 +120,39 @@ def density_of(config: TrainConfig) -> float | dict[int, float]:
   return config.density
 
 
+TOPK_UNION = "topk_union"
+"""The demo's name for the AdamW recipe, ``topk(density / n, exact=False)``: each of the
+``n`` workers sends its own largest ``density / n`` of ``N`` (a steered threshold), so
+their union sends about ``density``."""
+
+
+def demo_methods() -> tuple[str, ...]:
+  """The names the demo trains: the registered methods and `TOPK_UNION`."""
+  return (*exdyna_jax.available_sparsifiers(), TOPK_UNION)
+
+
+def per_worker(density: float | dict[int, float], num_workers: int) -> float | dict[int, float]:
+  """``density`` (a number or a schedule) shared among ``num_workers``."""
+  if isinstance(density, dict):
+    return {step: level / num_workers for step, level in density.items()}
+  return density / num_workers
+
+
 def sparsifier_for(
     method: str, density: float | dict[int, float], value_dtype: str = "float32",
-    network: Sequence[float] | None = None,
+    network: Sequence[float] | None = None, num_workers: int = 1,
 ) -> optax.GradientTransformationExtraArgs:
-  """The registered method ``method`` at ``density`` (``dense`` ignores both).
+  """The method ``method`` of `demo_methods` at ``density`` (``dense`` ignores both).
 
-  ``network`` (``(message_seconds, bytes_per_second)``) goes to ExDyna only.
+  ``network`` (``(message_seconds, bytes_per_second)``) goes to ExDyna only;
+  ``num_workers`` shares ``density`` out for `TOPK_UNION`.
   """
   if method.lower() == "dense":
     return exdyna_jax.get_sparsifier("dense", axis_name=AXIS)
   options = {} if value_dtype == "float32" else {"value_dtype": value_dtype}
+  if method.lower() == TOPK_UNION:
+    return exdyna_jax.topk(per_worker(density, num_workers), exact=False, axis_name=AXIS,
+                           **options)
   if network is not None and method.lower() == "exdyna":
     options["network"] = exdyna_jax.Network(*map(float, network))
   return exdyna_jax.get_sparsifier(method, density=density, axis_name=AXIS, **options)
@@ -139,15 +161,18 @@ def sparsifier_for(
 ADAMW_WEIGHT_DECAY, ADAMW_CLIP = 0.01, 1.0
 
 
-def optimizer_for(method: str, config: TrainConfig) -> optax.GradientTransformation:
+def optimizer_for(method: str, config: TrainConfig,
+                  num_workers: int = 1) -> optax.GradientTransformation:
   """The optimizer of ``method`` under ``config``, its sparsifier on local gradients.
 
   SGD: ``chain(sparsifier, sgd)``. AdamW: ``chain(dense(), clip, adamw)``
   for ``dense``, ``chain(clip, sparse_adamw(sparsifier, ...))`` for the
   others. With ``config.sync_every > 1`` every method but ``dense`` runs
   local steps of the optimizer, the sparsifier exchanging pseudo-gradients.
+  ``num_workers``: the workers `TOPK_UNION` shares the density among.
   """
-  sparsifier = sparsifier_for(method, density_of(config), config.value_dtype, config.network)
+  sparsifier = sparsifier_for(method, density_of(config), config.value_dtype, config.network,
+                              num_workers)
   local = config.sync_every > 1 and method.lower() != "dense"
   if config.optimizer == "adamw":
     learning_rate = optax.warmup_cosine_decay_schedule(
@@ -261,7 +286,12 @@ class MethodRun:
   collectives: list[hlo.Collective]
 
 
-def _record(step, seconds, losses, stats, num_elements, exchanged) -> dict[str, Any]:
+def asked_count(method: str, stats: Any, num_workers: int) -> int:
+  """The ``k`` a step asked of all the workers together: `TOPK_UNION`'s is its workers'."""
+  return int(stats.target) * (num_workers if method.lower() == TOPK_UNION else 1)
+
+
+def _record(step, seconds, losses, stats, target, num_elements, exchanged) -> dict[str, Any]:
   """A step's record; where it exchanged nothing (a local step): nothing sent or left over, and
   no sent/k."""
   transmitted = int(stats.transmitted) if exchanged else 0
@@ -272,10 +302,10 @@ def _record(step, seconds, losses, stats, num_elements, exchanged) -> dict[str, 
       "threshold": float(stats.threshold),
       "selected": int(stats.selected),
       "transmitted": transmitted,
-      "target": int(stats.target),
+      "target": target,
       "overflow": int(stats.overflow) if exchanged else 0,
       "density": transmitted / num_elements,
-      "sent_over_k": transmitted / int(stats.target) if exchanged else None,
+      "sent_over_k": transmitted / target if exchanged else None,
       "imbalance": float(stats.imbalance),
       "bytes_sent": int(stats.bytes_sent) if exchanged else 0,
       "partition_starts": stats.partition_starts.tolist(),
@@ -301,7 +331,7 @@ def train_method(
   every ``eval_every`` steps and at the end also the `Task.evaluate` metrics.
 
   Args:
-    method: a registry name (`exdyna_jax.available_sparsifiers`).
+    method: a name of `demo_methods`.
     task: the `Task`.
     config: the `TrainConfig`.
     mesh: the mesh with axis ``"data"``.
@@ -317,7 +347,7 @@ def train_method(
   params = task.init_params(jax.random.key(config.seed))
   num_elements = sum(leaf.size for leaf in jax.tree.leaves(params))
   global_batch = num_workers * config.batch_per_worker
-  tx = optimizer_for(method, config)
+  tx = optimizer_for(method, config, num_workers)
   compiled = compile_method(task, tx, mesh, params, task.sample_batch(rng, global_batch))
   rng = np.random.default_rng(config.seed)  # every method sees the same batches
   opt_state = compiled.opt_state
@@ -337,7 +367,8 @@ def train_method(
     seconds = time.perf_counter() - start
     stats = jax.device_get(compiled.dp.stats(opt_state))
     exchanges, before = int(stats.step) + int(stats.skipped_steps), exchanges
-    record = _record(step, seconds, losses, stats, num_elements, exchanges > before)
+    record = _record(step, seconds, losses, stats, asked_count(method, stats, num_workers),
+                     num_elements, exchanges > before)
     if step % config.eval_every == 0 or step == config.steps:
       metrics = {name: float(value) for name, value in evaluate(params).items()}
       record.update(metrics)
