@@ -116,20 +116,19 @@ def plain_loss(params, batch):
   return jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"] + params["b"] - y) ** 2)
 
 
-def per_shard_reference(make, params, split, shards, workers, steps=4):
-  """SGD(0.1) after ``make()`` run on each shard's parts on its own: the method under
+def per_shard_reference(tx, params, split, shards, workers, steps=4):
+  """SGD(0.1) after ``tx`` run on each shard's parts on its own: the method under
   ``jax.vmap`` over the data workers, one state per shard, no mesh."""
-  txs = [make() for _ in range(shards)]
-  states = [jax.vmap(tx.init, in_axes=None, axis_name="data", axis_size=workers)(
-      shard_parts(params, shard, shards, split)) for shard, tx in enumerate(txs)]
+  init = jax.vmap(tx.init, in_axes=None, axis_name="data", axis_size=workers)
+  update_all = jax.jit(jax.vmap(tx.update, axis_name="data"))
+  states = [init(shard_parts(params, shard, shards, split)) for shard in range(shards)]
   transmitted = target = 0
   for x, y in batches(steps):
     grads = jax.vmap(jax.grad(plain_loss), in_axes=(None, 0))(
         params, (x.reshape(workers, -1, 16), y.reshape(workers, -1, 4)))
     parts = []
-    for shard, tx in enumerate(txs):
-      update, states[shard] = jax.vmap(tx.update, axis_name="data")(
-          shard_parts(grads, shard, shards, split), states[shard])
+    for shard in range(shards):
+      update, states[shard] = update_all(shard_parts(grads, shard, shards, split), states[shard])
       parts.append(jax.tree.map(lambda leaf: leaf[0], update))
       transmitted += int(states[shard].stats.transmitted[0])
       target += int(states[shard].stats.target[0])
@@ -144,15 +143,16 @@ def test_on_explicit_axes_each_device_sparsifies_its_own_shards(method):
   the residual is split over ``model`` (no device holds all ``N``), and the stats count the
   whole model."""
   mesh = jax.make_mesh((4, 2), ("data", "model"))
-  make = lambda: exdyna_jax.get_sparsifier(method, density=0.1)  # noqa: E731
-  dp, step = train_step(optax.chain(make(), optax.sgd(0.1)), mesh)
+  sparsifier = exdyna_jax.get_sparsifier(method, density=0.1)
+  dp, step = train_step(optax.chain(sparsifier, optax.sgd(0.1)), mesh)
   params = sharded(init_params(), mesh)
   opt_state = dp.init(params)
   residual = optax.tree.get(opt_state, "residual")
   assert residual.shape == (4, 2, 322) and residual.sharding.spec == P("data", "model", None)
   for batch in batches(4):
     params, opt_state = step(params, opt_state, batch)
-  expected, transmitted, target = per_shard_reference(make, init_params(), TENSOR_PARALLEL, 2, 4)
+  expected, transmitted, target = per_shard_reference(
+      sparsifier, init_params(), TENSOR_PARALLEL, 2, 4)
   assert {name: leaf.sharding.spec for name, leaf in params.items()} == SPECS
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                jax.device_get(params), jax.device_get(expected))
@@ -179,8 +179,8 @@ def test_hsdp_shards_are_sparsified_across_the_replicas(density):
   across the replicas: the run equals each shard's parts stepped on their own, and at density
   1 plain data-parallel SGD."""
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
-  make = lambda: exdyna_jax.exdyna(density)  # noqa: E731
-  tx = optax.chain(make(), optax.sgd(0.1))
+  sparsifier = exdyna_jax.exdyna(density)
+  tx = optax.chain(sparsifier, optax.sgd(0.1))
   dp = exdyna_jax.data_parallel(tx, mesh)
 
   @dp.step
@@ -196,7 +196,7 @@ def test_hsdp_shards_are_sparsified_across_the_replicas(density):
   for batch in batches(4):
     params, opt_state = step(params, opt_state, batch)
   assert {name: leaf.sharding.spec for name, leaf in params.items()} == specs
-  expected, _, _ = per_shard_reference(make, init_params(), HSDP, 4, 2)
+  expected, _, _ = per_shard_reference(sparsifier, init_params(), HSDP, 4, 2)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                jax.device_get(params), jax.device_get(expected))
 
