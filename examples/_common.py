@@ -1,8 +1,9 @@
-"""What the digits examples share, so that each shows only its own wiring.
+"""What the examples share, so that each shows only its own wiring.
 
 Not part of the library, and on its public API only: scikit-learn's bundled
-digits (nothing is downloaded), a small MLP, the command line, a JSON-lines
-log and the dense-against-one-method table.
+digits and Python's help topics as bytes (nothing is downloaded), a small
+MLP, the command line, a JSON-lines log and the dense-against-one-method
+table.
 """
 
 from __future__ import annotations
@@ -50,6 +51,23 @@ def digit_images() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
       x.reshape(-1, 8, 8, 1), (len(x), 28, 28, 1), "bilinear"))
   return ({"image": as_images(split.x_train), "label": split.y_train},
           {"image": as_images(split.x_test), "label": split.y_test})
+
+
+def byte_corpus(max_chars: int = 400_000) -> tuple[np.ndarray, np.ndarray]:
+  """Python's help topics as ASCII token ids: train and test (the last 10 %)."""
+  from pydoc_data.topics import topics
+
+  text = "\n\n".join(topics[name] for name in sorted(topics))[:max_chars]
+  tokens = np.frombuffer(text.encode("ascii", "replace"), np.uint8)
+  cut = int(0.9 * len(tokens))
+  return tokens[:cut], tokens[cut:]
+
+
+def windows(tokens: np.ndarray, rng: np.random.Generator, count: int, context: int):
+  """``count`` random windows and their next-byte targets, int32 ``[count, context]``."""
+  starts = rng.integers(0, len(tokens) - context - 1, count)
+  chunk = tokens[starts[:, None] + np.arange(context + 1)].astype(np.int32)
+  return chunk[:, :-1], chunk[:, 1:]
 
 
 def init_mlp(key: jax.Array, sizes: Sequence[int]) -> list[dict[str, jax.Array]]:

@@ -64,26 +64,9 @@ class CharTransformer(nn.Module):
     return embed.attend(nn.LayerNorm()(x))
 
 
-def byte_corpus(max_chars: int = 400_000) -> tuple[np.ndarray, np.ndarray]:
-  """Python's help topics as ASCII token ids: train and test (the last 10 %)."""
-  from pydoc_data.topics import topics
-
-  text = "\n\n".join(topics[name] for name in sorted(topics))[:max_chars]
-  tokens = np.frombuffer(text.encode("ascii", "replace"), np.uint8)
-  cut = int(0.9 * len(tokens))
-  return tokens[:cut], tokens[cut:]
-
-
-def windows(tokens: np.ndarray, rng: np.random.Generator, count: int, context: int):
-  """``count`` random windows and their next-byte targets, int32 ``[count, context]``."""
-  starts = rng.integers(0, len(tokens) - context - 1, count)
-  chunk = tokens[starts[:, None] + np.arange(context + 1)].astype(np.int32)
-  return chunk[:, :-1], chunk[:, 1:]
-
-
 def train(method: str, args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   """Trains a fresh model with ``method``; returns its row of the table."""
-  train_tokens, test_tokens = byte_corpus()
+  train_tokens, test_tokens = _common.byte_corpus()
   model = CharTransformer(args.context, args.width, args.layers)
   params = model.init(jax.random.key(args.seed), jnp.zeros((1, args.context), jnp.int32))["params"]
 
@@ -108,9 +91,9 @@ def train(method: str, args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dic
     return optax.apply_updates(params, updates), opt_state, loss
 
   rng = np.random.default_rng(args.seed)
-  test_batch = windows(test_tokens, np.random.default_rng(1234), 64, args.context)
+  test_batch = _common.windows(test_tokens, np.random.default_rng(1234), 64, args.context)
   opt_state = dp.init(params)
-  batch = windows(train_tokens, rng, mesh.size * args.batch_per_worker, args.context)
+  batch = _common.windows(train_tokens, rng, mesh.size * args.batch_per_worker, args.context)
   hlo_bytes = hlo.bytes_per_worker(
       train_step.lower(params, opt_state, batch).compile().as_text(), mesh.size)
   records = []
@@ -119,7 +102,7 @@ def train(method: str, args: argparse.Namespace, mesh: jax.sharding.Mesh) -> dic
     stats = dp.stats(opt_state)
     records.append({"step": step, "loss": float(np.mean(losses)),
                     "sent_over_k": float(stats.transmitted / stats.target)})
-    batch = windows(train_tokens, rng, mesh.size * args.batch_per_worker, args.context)
+    batch = _common.windows(train_tokens, rng, mesh.size * args.batch_per_worker, args.context)
   _common.write_json_lines(args.out / f"metrics-{method}.jsonl", records)
   test_loss = float(jax.jit(loss_fn)(params, *test_batch))
   return {

@@ -27,8 +27,9 @@ pytestmark = pytest.mark.slow  # the tools end to end: `-m "not slow"` leaves th
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PAGES = ["index", "quickstart", "how_exdyna_works", "choosing_a_method", "usage", "multihost",
-         "checkpointing", "benchmarks", "reproducing_papers", "bad_inputs", "package_map", "api"]
+PAGES = ["index", "quickstart", "how_exdyna_works", "choosing_a_method", "usage",
+         "sharded_models", "multihost", "checkpointing", "benchmarks", "reproducing_papers",
+         "bad_inputs", "package_map", "api"]
 
 
 def test_api_page_lists_every_public_name():
