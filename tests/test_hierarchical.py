@@ -729,6 +729,30 @@ def test_data_parallel_over_both_axes_runs_it_per_device(mode, tmp_path):
   chex.assert_trees_all_equal(restored, state)
 
 
+def test_a_data_parallel_step_over_both_axes_takes_its_state_and_refuses_one_cut_to_fit():
+  """``dp.step`` reads a state it did not return on the host before the step: a `hierarchical`
+  sparsifier's records the workers of the slow axis (2), not the step's (8), and fits; the
+  same state as if made for 6 nodes (no group of the axes has 6 devices) is refused before
+  anything runs."""
+  tx = optax.chain(exdyna_jax.hierarchical(CASES["exdyna"][0](), fast_axis=LOCAL),
+                   optax.sgd(0.1))
+  dp = exdyna_jax.data_parallel(tx, _mesh("2x4"), axis_name=(NODE, LOCAL))
+
+  @dp.step
+  def step(params, opt_state, batch):
+    grads = jax.grad(lambda p: jnp.mean((batch @ p["w"] + p["b"][:1]) ** 2))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  batch, fresh = jnp.ones((8, 32)), lambda: jax.tree.map(jnp.copy, PARAMS)  # steps donate
+  params, opt_state = step(fresh(), dp.init(fresh()), batch)  # a fresh state
+  params, opt_state = step(params, opt_state, batch)  # the one it returned
+  method_state, *rest = dp.init(fresh())
+  stats = method_state.stats._replace(num_workers=method_state.stats.num_workers * 3)
+  with pytest.raises(ValueError, match="initialized for 6 workers"):
+    step(params, (method_state._replace(stats=stats), *rest), batch)
+
+
 def test_data_parallel_over_the_slow_axis_alone_is_refused():
   """The fast axis left out: its devices would repeat each other's batch, states labelled
   replicated."""

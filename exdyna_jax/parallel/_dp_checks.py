@@ -64,19 +64,21 @@ def check_batch(batch: Any, num_workers: int) -> None:
   )
 
 
-def refuse_misfit_state(opt_state: Any, num_workers: int, axis_name: Any, *,
+def refuse_misfit_state(opt_state: Any, worker_counts: list[int], axis_name: Any, *,
                         last_returned: list[weakref.ref]) -> None:
-  """Raises where a restored state (not ``last_returned``) records another worker count: the
-  guard's check, early (in the step a stopped device can leave its peers in a collective)."""
+  """Raises where a restored state (not ``last_returned``) records a count no data axes have:
+  the guard's check (exact, in the step), early, where a device it stops cannot stall peers."""
   for first in jax.tree.leaves(opt_state)[:1]:
     if isinstance(first, jax.core.Tracer) or any(ref() is first for ref in last_returned):
       return  # under a jit of the user's (the guard's check), or the state the step returned
   for state in _stats.sparsifier_states(opt_state):
     recorded = state.stats.num_workers  # this process's rows: a fit is a fit on every host
     recorded = [shard.data for shard in getattr(recorded, "addressable_shards", [])] or recorded
-    _guard.raise_if_state_does_not_fit(
-        np.concatenate([np.ravel(rows) for rows in jax.device_get(recorded)]), np.int32(0),
-        np.int32(0), num_workers=num_workers, axis_name=axis_name, leaves="")
+    rows = np.concatenate([np.ravel(rows) for rows in jax.device_get(recorded)])
+    fits = [count for count in worker_counts if set(rows.tolist()) == {count}]
+    _guard.raise_if_state_does_not_fit(rows, np.int32(0), np.int32(0),
+                                       num_workers=(fits or worker_counts)[-1],
+                                       axis_name=axis_name, leaves="")
 
 
 def weak_first_leaf(opt_state: Any) -> list[weakref.ref]:

@@ -10,6 +10,7 @@ which axes the optimizer needs.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +39,15 @@ def num_workers(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...]) -> in
         "its data-parallel axis, or a tuple of distinct ones."
     )
   return math.prod(mesh.shape[axis] for axis in axes)
+
+
+def worker_counts(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...]) -> list[int]:
+  """The numbers of workers a sparsifier in the step may exchange among, smallest first: each
+  group of the data axes (a `hierarchical` one exchanges over the slow axis of a tuple)."""
+  axes = data_axes(axis_name)
+  groups = (group for size in range(1, len(axes) + 1)
+            for group in itertools.combinations(axes, size))
+  return sorted({math.prod(mesh.shape[axis] for axis in group) for group in groups})
 
 
 def axis_init_needs(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh,

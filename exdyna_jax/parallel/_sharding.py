@@ -360,6 +360,7 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
                    out_shardings=(None, jax.tree.unflatten(*param_shardings), None))
 
   checked = []  # the params' copies are compared after the first call
+  counts = _mesh_axes.worker_counts(mesh, axis_name)  # what a state may record
   returned = []  # a weak reference to the first leaf of the state the last call returned
   differs = jax.jit(shard(functools.partial(
       jax.tree.map, lambda x: _dp_checks.differs_across(x, axis_name)), P(), P()))
@@ -374,7 +375,7 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
       )
     _dp_checks.check_batch(batch, workers)
     _dp_checks.check_worker_axis(opt_state, workers)
-    _dp_checks.refuse_misfit_state(opt_state, workers, axis_name, last_returned=returned)
+    _dp_checks.refuse_misfit_state(opt_state, counts, axis_name, last_returned=returned)
     # Placed as the step takes them (no copy if so): an Explicit mesh accepts nothing else.
     params = place_params(params, mesh, axis_name)
     batch, args = jax.device_put((batch, args), (split, replicated))
