@@ -7,9 +7,13 @@ the link, as root):
   python -m exdyna_jax.launch --processes 2 --devices-per-process 2 \\
       [--link-rate 1gbit] -- python -m benchmarks.sharded_cluster [--axis-type Auto]
 
-Process 0 prints one JSON line per method (dense, ExDyna at d = 0.01): the
-median blocked step over ``--steps`` steps after 3 warm-up steps, the run's
-sent/k and bytes a step, and the parameters' shardings after the run.
+Process 0 prints one JSON line per method: the median blocked step over
+``--steps`` steps after 3 warm-up steps, the run's sent/k and bytes a step,
+and the parameters' shardings after the run. The methods: ``dense`` and
+``exdyna`` (d = 0.01) on the tensor-parallel model, and ``hierarchical``
+(``hierarchical(exdyna(0.01))`` with the model replicated: every device a
+worker, the gradient reduce-scattered inside a process and each slice
+sparsified across the processes).
 """
 
 from __future__ import annotations
@@ -45,12 +49,17 @@ def main(argv=None) -> None:
           "w2": rng.normal(size=(H, D)).astype(np.float32) / np.sqrt(H),
           "b": np.zeros(D, np.float32)}
   x = rng.normal(size=(BATCH, D)).astype(np.float32)
-  batch = (place(x, P("data")), place(x, P("data")))
-  for method in ("dense", "exdyna"):
-    params = {name: place(value, SPECS[name]) for name, value in host.items()}
-    sparsifier = exdyna_jax.dense() if method == "dense" else exdyna_jax.exdyna(DENSITY)
+  sparsifiers = {
+      "dense": exdyna_jax.dense(), "exdyna": exdyna_jax.exdyna(DENSITY),
+      "hierarchical": exdyna_jax.hierarchical(exdyna_jax.exdyna(DENSITY, axis_name="data"),
+                                              fast_axis="model")}
+  for method, sparsifier in sparsifiers.items():
+    workers = ("data", "model") if method == "hierarchical" else "data"
+    specs = SPECS if method != "hierarchical" else dict.fromkeys(SPECS, P())
+    params = {name: place(value, specs[name]) for name, value in host.items()}
+    batch = (place(x, P(workers)), place(x, P(workers)))
     tx = optax.chain(sparsifier, optax.sgd(0.1))
-    dp = exdyna_jax.data_parallel(tx, mesh)
+    dp = exdyna_jax.data_parallel(tx, mesh, axis_name=workers)
 
     @dp.step
     def step(params, opt_state, batch, tx=tx):
