@@ -8,7 +8,8 @@ default: each device sparsifies its own shards) and Auto ones (the
 sparsifier sees the whole gradient), dense and ExDyna at d = 0.01: the
 median blocked step over ``--steps`` steps, each configuration timed
 ``--repeats`` times interleaved; the compiled step's
-``memory_analysis()``; the residual a device holds.
+``memory_analysis()``; the residual a device holds; the indices the timed
+steps sent over the ``k`` they asked for, summed over the shards.
 
 Run: python -m benchmarks.sharded_step [--repeats 3] [--steps 20]
 """
@@ -40,7 +41,7 @@ def loss_fn(params, batch):
 
 
 def configuration(axis_type: str, method: str):
-  """``(step, params, opt_state, batch)`` of one configuration, compiled and warmed up."""
+  """``(step, params, opt_state, batch, dp)`` of one configuration, compiled and warmed up."""
   kind = getattr(jax.sharding.AxisType, axis_type)
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(kind, kind))
   k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
@@ -61,25 +62,35 @@ def configuration(axis_type: str, method: str):
   opt_state = dp.init(params)
   for _ in range(3):
     params, opt_state = step(params, opt_state, (x, x))
-  return step, params, opt_state, (x, x)
+  return step, params, opt_state, (x, x), dp
 
 
 def timed(config, steps: int):
-  step, params, opt_state, batch = config
+  step, params, opt_state, batch, dp = config
   times = []
   for _ in range(steps):
     start = time.perf_counter()
     params, opt_state = step(params, opt_state, batch)
     jax.block_until_ready((params, opt_state))
     times.append(time.perf_counter() - start)
-  return (step, params, opt_state, batch), 1e3 * float(np.median(times))
+  return (step, params, opt_state, batch, dp), 1e3 * float(np.median(times))
 
 
-def described(config) -> dict:
-  step, params, opt_state, batch = config
+def totals(config) -> dict:
+  """The run's totals so far (`exdyna_jax.read_totals`), summed over the shards."""
+  _, _, opt_state, _, dp = config
+  return exdyna_jax.read_totals(dp.stats(opt_state))
+
+
+def described(config, before: dict) -> dict:
+  """Memory, the residual, and the sent/k of the steps since ``before`` (`totals`)."""
+  step, params, opt_state, batch, _ = config
   memory = step.lower(params, opt_state, batch).compile().memory_analysis()
   residual = optax.tree.get(opt_state, "residual")
+  after = totals(config)
   return {
+      "sent_over_k": round((after["transmitted"] - before["transmitted"])
+                           / (after["target"] - before["target"]), 4),
       "argument_MiB": round(memory.argument_size_in_bytes / 2**20, 2),
       "temp_MiB": round(memory.temp_size_in_bytes / 2**20, 2),
       "residual": None if residual is None else {
@@ -99,13 +110,15 @@ def main(argv=None) -> dict:
   names = [(axis_type, method) for axis_type in ("Explicit", "Auto")
            for method in ("dense", "exdyna")]
   configs = {name: configuration(*name) for name in names}
+  warm = {name: totals(config) for name, config in configs.items()}
   medians = {name: [] for name in names}
   for _ in range(args.repeats):  # interleaved
     for name in names:
       configs[name], median = timed(configs[name], args.steps)
       medians[name].append(round(median, 1))
   rows = [{"axis_type": axis_type, "method": method, "step_ms": medians[(axis_type, method)],
-           **described(configs[(axis_type, method)])} for axis_type, method in names]
+           **described(configs[(axis_type, method)], warm[(axis_type, method)])}
+          for axis_type, method in names]
   for row in rows:
     print(json.dumps(row))
   result = {"parameters": D * H * 2 + D, "density": DENSITY, "rows": rows}
