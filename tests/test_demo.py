@@ -58,6 +58,18 @@ def test_the_wide_table_adds_the_compiled_bytes_and_the_spread_of_sent_over_k(de
   assert report.format_bytes(exdyna["hlo_bytes"]) in wide[3]
 
 
+def test_the_summary_reads_sent_over_k_and_overflow_once_the_threshold_is_found():
+  """The first steps look for the threshold (a first guess may pass every element): sent/k and
+  the overflow a step are read over the exchanges after the first 20."""
+  records = [{"loss": 1.0, "density": 0.01, "sent_over_k": 3.0 if step < 3 else 1.0,
+              "overflow": 10_000 if step < 3 else 2, "bytes_sent": 100, "step_time_s": 0.01}
+             for step in range(30)]
+  run = SimpleNamespace(method="topk_union", records=records, final_metrics={}, hlo_bytes=100,
+                        num_elements=1000, target=10)
+  summary = report.summarize(run, 1000)
+  assert (summary["sent_over_k"], summary["overflow_per_step"]) == (1.0, 2)
+
+
 def test_printed_traffic_ratio_is_the_compiled_programs(demo_run):
   summary = json.loads((demo_run / "summary.json").read_text())
   rows = {row["method"]: row for row in summary["summaries"]}

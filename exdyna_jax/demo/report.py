@@ -46,9 +46,10 @@ def summarize(run: MethodRun, dense_hlo_bytes: int | None) -> dict[str, Any]:
   Returns:
     A flat dict: the final metrics, ``density`` (mean achieved: indices
     transmitted / N), ``sent_over_k`` (median indices transmitted / k) and
-    ``median_sent_error`` (median ``|transmitted / k - 1|``), both over the
-    exchanges after the first 20 (all of them for shorter runs),
-    ``overflow_per_step`` (mean), ``hlo_bytes`` (the compiled step: every
+    ``median_sent_error`` (median ``|transmitted / k - 1|``) and
+    ``overflow_per_step`` (mean), all over the exchanges after the first 20
+    (all of them for shorter runs: the first steps find the threshold),
+    ``hlo_bytes`` (the compiled step: every
     level of a density schedule), ``stats_bytes`` (the library's count, mean
     over the steps, local ones included: what was sent), ``ratio_to_dense`` (``stats_bytes`` over
     dense's HLO bytes), ``median_step_ms``
@@ -65,7 +66,7 @@ def summarize(run: MethodRun, dense_hlo_bytes: int | None) -> dict[str, Any]:
       density=statistics.fmean(r["density"] for r in records),
       sent_over_k=statistics.median(r["sent_over_k"] for r in settled),
       median_sent_error=statistics.median(abs(r["sent_over_k"] - 1) for r in settled),
-      overflow_per_step=statistics.fmean(r["overflow"] for r in records),
+      overflow_per_step=statistics.fmean(r["overflow"] for r in settled),
       hlo_bytes=run.hlo_bytes,
       stats_bytes=stats_bytes,
       ratio_to_dense=stats_bytes / dense_hlo_bytes if dense_hlo_bytes else None,
@@ -127,8 +128,8 @@ def format_table(summaries: Sequence[dict[str, Any]], metric: str, *, wide: bool
   legend = (
       "density = indices transmitted / N; sent/k = indices transmitted / k, the count asked "
       "for (median after step 20); overflow = passed the threshold but not sent (kept in the "
-      "residual), per step; bytes/step = what one worker sends per step (ring collectives), "
-      "the library's count, mean over the steps."
+      "residual), per step after step 20; bytes/step = what one worker sends per step (ring "
+      "collectives), the library's count, mean over the steps."
   )
   if wide:
     legend += (" bytes (HLO): counted from the compiled program (with a density schedule it "
