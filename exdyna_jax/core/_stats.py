@@ -170,8 +170,7 @@ def require_exchange(tx: optax.GradientTransformation, role: str
 
   def init_fn(params):
     state = tx.init(params)
-    if not any(is_sparsifier_state(node)
-               for node in jax.tree.leaves(state, is_leaf=is_sparsifier_state)):
+    if not sparsifier_states(state):
       raise TypeError(
           f"{role} is {type(tx).__name__}, not one of this package's methods (exdyna_jax."
           "exdyna, topk, ..., dense, or hierarchical of one): nothing would be exchanged and "

@@ -173,8 +173,7 @@ def refuse_unexchanged_leaves(params: Any, opt_state: Any) -> None:
   Raises:
     ValueError: if ``tx`` holds no sparsifier, or names the leaves none sees.
   """
-  states = jax.tree.leaves(opt_state, is_leaf=_stats.is_sparsifier_state)
-  records = [getattr(s, "leaves_seen", None) for s in states if _stats.is_sparsifier_state(s)]
+  records = [getattr(s, "leaves_seen", None) for s in _stats.sparsifier_states(opt_state)]
   if not records:
     raise ValueError(
         "data_parallel(tx, mesh): tx holds no sparsifier, so each worker would train on "
@@ -319,9 +318,7 @@ def check_multi_steps(opt_state: Any) -> None:
   """
   is_multi_steps = lambda node: isinstance(node, optax.MultiStepsState)  # noqa: E731
   for node in jax.tree.leaves(opt_state, is_leaf=is_multi_steps):
-    if not is_multi_steps(node) or not any(
-        _stats.is_sparsifier_state(inner) for inner in
-        jax.tree.leaves(node.inner_opt_state, is_leaf=_stats.is_sparsifier_state)):
+    if not is_multi_steps(node) or not _stats.sparsifier_states(node.inner_opt_state):
       continue
     if jax.tree.leaves(node.skip_state):
       raise ValueError(
