@@ -206,23 +206,33 @@ def raise_if_state_does_not_fit(recorded_workers: np.ndarray, recorded_layout: n
     )
 
 
-def on_host(callback: Callable[..., None], *args: jax.Array) -> None:
-  """``jax.debug.callback(callback, *args)``, also where Explicit mesh axes are left to XLA.
+def on_host(callback: Callable[..., None], *args: jax.Array) -> jax.Array:
+  """Runs ``callback(*args)`` on the host; returns an int32 0 to keep in the results.
 
-  JAX lowers a callback under a ``shard_map`` manual over some axes through
-  a ``shard_map`` over the rest that closes over ``args``, which it cannot
-  do for axes of the Explicit type (a ``(data, model)`` mesh from
-  ``jax.make_mesh``): there the callback runs in a ``shard_map`` of its own
-  over them, taking ``args`` (replicated scalars) as arguments.
+  A ``jax.pure_callback``, not a ``jax.debug.callback``: a program with an
+  effect leaves JAX's fast dispatch path (on a CPU that doubled a small
+  step's time), and one without is dropped unless its result is used, so the
+  caller adds the 0 it returns into a result. JAX runs a callback only where
+  every mesh axis is manual or none is: under a ``shard_map`` manual over
+  some axes (the data axis of a ``(data, model)`` mesh) it runs in a
+  ``shard_map`` of its own over the rest, taking ``args`` (replicated
+  scalars) as arguments.
   """
+  def zero_after(*host_args):  # batched under vmap: all args broadcast to the batch's shape
+    callback(*host_args)
+    return np.zeros(np.shape(host_args[0]), np.int32)
+
+  def call(*args):
+    return jax.pure_callback(zero_after, jax.ShapeDtypeStruct((), jnp.int32), *args,
+                             vmap_method="broadcast_all")
+
   mesh = jax.sharding.get_abstract_mesh()
-  explicit = frozenset(name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
-                       if kind == jax.sharding.AxisType.Explicit)
-  if not explicit:
-    jax.debug.callback(callback, *args)
-    return
-  jax.shard_map(lambda *args: jax.debug.callback(callback, *args), in_specs=P(), out_specs=None,
-                axis_names=explicit, check_vma=False)(*args)
+  rest = frozenset(name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                   if kind != jax.sharding.AxisType.Manual)
+  if not rest or len(rest) == len(mesh.axis_names):
+    return call(*args)
+  return jax.shard_map(call, in_specs=P(), out_specs=P(), axis_names=rest,
+                       check_vma=False)(*args)
 
 
 def skip_if_nonfinite(
@@ -274,42 +284,46 @@ def skip_if_nonfinite(
   if skipped is None:
     skipped = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype))
   output, ran = step(*args)
-  stop_if_misfit(screened, output, state.stats, num_workers=num_workers, axis_name=axis_name,
-                 leaves=leaves)
+  stopped = stop_if_misfit(screened, output, state.stats, num_workers=num_workers,
+                           axis_name=axis_name, leaves=leaves)
   drop = (screened.nonfinite > 0) | screened.misfit
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), output)
   output = jax.tree.map(lambda none, x: jnp.where(drop, none, x), skipped(shapes), output)
   new_state = jax.tree.map(lambda old, new: jnp.where(drop, old, new), state, ran)
   return output, new_state._replace(
-      stats=guarded_stats(new_state.stats, ran.stats, state.stats, screened, drop))
+      stats=guarded_stats(new_state.stats, ran.stats, state.stats, screened, drop, stopped))
 
 
 def stop_if_misfit(screened: Screen, output: Any, previous: _stats.SparsifierStats, *,
-                   num_workers: int, axis_name: str, leaves: str) -> None:
+                   num_workers: int, axis_name: str, leaves: str) -> jax.Array:
   """`raise_if_state_does_not_fit` on the host where the `Screen` found a misfit.
 
   Its conditional waits for the step's ``output``: a GPU reads the predicate
-  back to the host, and by then it has launched all of the step.
+  back to the host, and by then it has launched all of the step. Returns
+  `on_host`'s int32 0 (0 too where no misfit was found), for the caller to
+  keep in its results.
   """
   misfit, _ = jax.lax.optimization_barrier((screened.misfit, jax.tree.leaves(output)))
   stop = functools.partial(raise_if_state_does_not_fit, num_workers=num_workers,
                            axis_name=axis_name, leaves=leaves)
-  jax.lax.cond(misfit, functools.partial(
-      on_host, stop, previous.num_workers, previous.layout, screened.layout), lambda: None)
+  return jax.lax.cond(misfit, functools.partial(
+      on_host, stop, previous.num_workers, previous.layout, screened.layout),
+      lambda: jnp.int32(0))
 
 
 def guarded_stats(stats: _stats.SparsifierStats, ran: _stats.SparsifierStats,
                   previous_stats: _stats.SparsifierStats, screened: Screen,
-                  dropped: jax.Array) -> _stats.SparsifierStats:
+                  dropped: jax.Array, stopped: jax.Array) -> _stats.SparsifierStats:
   """The step's ``stats`` with the guard's fields: the step count, the bad elements, the bytes.
 
   ``ran`` is what the step reported before a skipped step's fields were
-  dropped: its bytes were sent either way.
+  dropped: its bytes were sent either way. ``stopped`` is `stop_if_misfit`'s
+  0, added into the bad elements so that its check stays in the program.
   """
   done = ~dropped
   return stats._replace(
       step=previous_stats.step + done.astype(jnp.int32),  # the one place steps are counted
-      nonfinite=screened.nonfinite,
+      nonfinite=screened.nonfinite + stopped,
       skipped_steps=previous_stats.skipped_steps + (screened.nonfinite > 0).astype(jnp.int32),
       bytes_sent=_stats.add_bytes(ran.bytes_sent, screened.bytes_sent),
       num_workers=previous_stats.num_workers,
