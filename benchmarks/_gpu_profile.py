@@ -1,7 +1,8 @@
 """A ``jax.profiler`` trace of device kernels, summed per operation (for `benchmarks.gpu`).
 
-`busiest_operations` reads the trace's device threads; `with_sources` names
-the Python frame XLA recorded for each operation in the compiled HLO.
+`traced_steps` traces a few steps of a jitted step; `busiest_operations`
+reads the trace's device threads; `with_sources` names the Python frame XLA
+recorded for each operation in the compiled HLO.
 """
 
 from __future__ import annotations
@@ -11,6 +12,25 @@ import gzip
 import json
 import pathlib
 import re
+
+import jax
+
+PROFILE_STEPS = 5
+
+
+def traced_steps(directory, step, carry, *args, next_carry=lambda out: out):
+  """`busiest_operations` of `PROFILE_STEPS` queued calls ``step(carry, *args)``
+  (a jitted step, already compiled; ``next_carry`` picks the carry from its
+  output), with `with_sources`; the trace and the optimised HLO
+  (``step.hlo.txt``) land in ``directory``."""
+  directory = pathlib.Path(directory)
+  with jax.profiler.trace(str(directory), create_perfetto_trace=True):
+    for _ in range(PROFILE_STEPS):
+      carry = next_carry(step(carry, *args))
+    jax.block_until_ready(carry)
+  hlo = step.lower(carry, *args).compile().as_text()
+  (directory / "step.hlo.txt").write_text(hlo)
+  return with_sources(busiest_operations(directory, PROFILE_STEPS), hlo)
 
 
 def busiest_operations(trace_dir, steps, top=12):

@@ -2,7 +2,9 @@
 
 Eight workers run under ``vmap`` on the one device, each on its own share
 of the batch; ``compute`` has no exchange (the workers' updates are averaged
-on the device), every other method is chained before the optimizer.
+on the device), every other method is chained before the optimizer, but
+``topk_union``: the AdamW recipe, ``sparse_adamw(topk(d / n, exact=False))``
+(each worker its own ``d / n`` largest, about ``d`` in all).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import exdyna_jax
 from benchmarks import _common
+from benchmarks._gpu_profile import traced_steps
 from benchmarks._gpu_timing import AXIS, WORKERS, method_of, timed_steps, timing, traced_as
 from exdyna_jax.demo import tasks
 
@@ -30,8 +34,9 @@ TRAIN_METHODS = ("compute", "dense", "exdyna", "topk")
 GPT = {"layers": 12, "width": 768, "heads": 12, "vocab": 256, "context": 256}
 QUICK_GPT = {"layers": 2, "width": 64, "heads": 4, "vocab": 256, "context": 32}
 GPT_BATCH = 4  # sequences per worker
-GPT_METHODS = (("compute", None), ("exdyna", 0.001), ("exdyna_unguarded", 0.001),
-               ("exdyna_loops", 0.001), ("dense", None), ("exdyna", 0.01))
+GPT_METHODS = (("compute", None), ("dense", None), ("exdyna", 0.001), ("exdyna", 0.01),
+               ("topk_union", 0.001), ("topk_union", 0.01))
+GPT_LEARNING_RATE = 3e-4
 
 
 def train_step(name, density, loss, optimizer):
@@ -40,11 +45,15 @@ def train_step(name, density, loss, optimizer):
   ``step((params, opt_state), batch)`` donates and returns both. Every
   worker computes its gradient of ``loss(params, batch)`` on its share of
   the batch; ``compute`` has no exchange (the workers' ``optimizer`` updates
-  are averaged on the one device, which is not a collective), the others
-  chain the method with ``optimizer``.
+  are averaged on the one device, which is not a collective), ``topk_union``
+  is the AdamW recipe (``optimizer`` unused), the others chain the method
+  with ``optimizer``.
   """
   tx = optimizer
-  if name != "compute":
+  if name == "topk_union":
+    tx = exdyna_jax.sparse_adamw(
+        exdyna_jax.topk(density / WORKERS, exact=False, axis_name=AXIS), GPT_LEARNING_RATE)
+  elif name != "compute":
     tx = optax.chain(_common.make_tx(method_of(name), density, WORKERS), tx)
 
   def per_worker(params, opt_state, batch):
@@ -64,16 +73,21 @@ def train_step(name, density, loss, optimizer):
       step, donate_argnums=0)
 
 
-def time_train_steps(params, batch, methods, loss, optimizer, repeats, rows=None, save=None):
+def time_train_steps(params, batch, methods, loss, optimizer, repeats, rows=None, save=None,
+                     profile=None, profiled=()):
   """Median seconds of the whole 8-worker train step of each ``(name, density)``,
-  into ``rows`` (``save()`` after each)."""
+  into ``rows`` (``save()`` after each); the steps labelled in ``profiled`` are
+  also traced into ``profile/<label>`` (`traced_steps`, under ``rows["profile"]``)."""
   rows = {} if rows is None else rows
   for name, density in methods:
     label = name if density is None else f"{name}@{density}"
     with traced_as(name):
       init, step = train_step(name, density, loss, optimizer)
       carry = (jax.tree.map(jnp.copy, params), init(params))
-      _, times, queued = timed_steps(functools.partial(step, batch=batch), carry, repeats)
+      carry, times, queued = timed_steps(functools.partial(step, batch=batch), carry, repeats)
+      if profile and label in profiled:
+        rows.setdefault("profile", {})[label] = traced_steps(
+            f"{profile}/{label}", step, carry, batch)
     rows[label] = timing(times, queued)
     if label != "compute":
       rows[f"{label}_over_compute"] = rows[label]["seconds"] / rows["compute"]["seconds"]
@@ -133,13 +147,17 @@ def gpt_loss(params, tokens, heads):
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def gpt_rows(config, repeats, rows, save=None):
-  """The GPT's train step per `GPT_METHODS` (`time_train_steps`, ``optax.adamw``), into ``rows``."""
+def gpt_rows(config, repeats, rows, save=None, profile=None, profiled=(), methods=GPT_METHODS):
+  """The GPT's train step per ``methods`` (`time_train_steps`, ``optax.adamw``), into ``rows``.
+
+  ``compute`` comes first, whether ``methods`` names it or not: the others'
+  ratios are to it."""
   params = init_gpt(jax.random.key(0), **config)
   tokens = jax.random.randint(
       jax.random.key(1), (WORKERS, GPT_BATCH, config["context"] + 1), 0, config["vocab"])
   loss = functools.partial(gpt_loss, heads=config["heads"])
   rows.update(parameters=sum(x.size for x in jax.tree.leaves(params)), **config,
               workers=WORKERS, sequences_per_worker=GPT_BATCH)
-  return time_train_steps(params, tokens, GPT_METHODS, loss, optax.adamw(3e-4), repeats,
-                          rows=rows, save=save)
+  methods = [("compute", None), *(m for m in methods if m[0] != "compute")]
+  return time_train_steps(params, tokens, methods, loss, optax.adamw(GPT_LEARNING_RATE),
+                          repeats, rows=rows, save=save, profile=profile, profiled=profiled)

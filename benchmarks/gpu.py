@@ -19,6 +19,8 @@ exdyna_unguarded    a diagnostic, not a method to use: ``exdyna(d)`` with the
                     what the guard's conditionals cost
 exdyna_reference    ``exdyna(d, controller="reference")``
 micro               ``micro(d)``
+topk_union          ``topk(d / 8, exact=False)``: each worker its own ``d / 8``
+                    largest (about ``d`` in all), the AdamW recipe's sparsifier
 topk_ef             a plain error-feedback step with ``lax.top_k``: read
                     ``a = g + m``, top-k of ``|a|``, write ``m`` and the update
 floor               the elementwise floor: read ``g`` and ``m``, write ``m``
@@ -43,6 +45,10 @@ ExDyna at 0.001 with the loops (``exdyna_loops``).
 (``kernels_against_loops``): the two passes on one worker's gradient, and
 ExDyna, its reference rule and MiCRO for a few steps (`check_kernels`).
 
+``--against-cpu`` runs every registered method (and ExDyna's reference
+rule) for a few steps of 8 workers on this device and on the CPU, on the
+same gradients of a few leaves, and compares them (`_gpu_against_cpu`).
+
 ``--chunk-scales 1,2,4`` also times ``exdyna`` at the target with the
 partition read in chunks that many times `_selection.chunk_length` (fewer
 loop iterations, more elements read past the partition's ends).
@@ -51,7 +57,8 @@ loop iterations, more elements read past the partition's ends).
 ExDyna) at the target size with
 ``jax.profiler`` (the trace lands in ``DIR``) and records, per device
 thread of the trace, the busiest operations per step (``profile`` in the
-JSON), and the number of kernels a step launches.
+JSON), and the number of kernels a step launches; with ``--gpt``, also the
+GPT's train step of `GPT_PROFILED` (``gpt.profile`` in the JSON).
 
 Every method is timed blocked on each step (``seconds``: what a loop that
 reads each step's result gets, the host's dispatch and wait included) and
@@ -66,7 +73,7 @@ Writes ``results/gpu.json`` (``device``, ``exdyna_over_floor`` and
 ``--target-only`` the target alone (to compare ``XLA_FLAGS``, say).
 
 Run: python -m benchmarks.gpu [--quick] [--target-only] [--train] [--gpt] [--check]
-     [--profile DIR]
+     [--against-cpu] [--profile DIR]
      [--out FILE] [--repeats 20] [--methods a,b,...]
 """
 
@@ -82,18 +89,18 @@ import jax
 import jax.numpy as jnp
 
 import exdyna_jax
-from benchmarks import _common, _gpu_train
-from benchmarks._gpu_profile import busiest_operations, with_sources
+from benchmarks import _common, _gpu_against_cpu, _gpu_train
+from benchmarks._gpu_profile import traced_steps
 from benchmarks._gpu_timing import AXIS, WORKERS, method_of, timed_steps, timing, traced_as
 from exdyna_jax.selection import _selection
 
 TARGET = {"elements": 25_000_000, "density": 0.001}
 FULL_GRID = [(n, d) for n in (11_200_000, 25_000_000, 100_000_000) for d in (0.01, 0.001)]
 QUICK_GRID = [(200_000, 0.001)]
-METHODS = ("exdyna", "exdyna_loops", "exdyna_unguarded", "exdyna_reference", "micro", "topk_ef",
-           "floor")
+METHODS = ("exdyna", "exdyna_loops", "exdyna_unguarded", "exdyna_reference", "micro",
+           "topk_union", "topk_ef", "floor")
 CHECK_STEPS = 4
-PROFILE_STEPS = 5
+GPT_PROFILED = ("exdyna@0.001", "topk_union@0.01")
 
 
 def sparsifier(name, density):
@@ -101,6 +108,8 @@ def sparsifier(name, density):
     return exdyna_jax.exdyna(density, axis_name=AXIS)
   if name == "exdyna_reference":
     return exdyna_jax.exdyna(density, axis_name=AXIS, controller="reference")
+  if name == "topk_union":
+    return exdyna_jax.topk(density / WORKERS, exact=False, axis_name=AXIS)
   return exdyna_jax.micro(density, axis_name=AXIS)
 
 
@@ -227,21 +236,14 @@ def check_passes(accumulated):
 
 
 def profile_methods(trace_root, num_elements, density, grads, methods):
-  """Traces `PROFILE_STEPS` steps of each method; returns `busiest_operations`
-  and the optimised HLO of each step under ``trace_root/<method>``."""
+  """`traced_steps` of each method, into ``trace_root/<method>``."""
   profiles = {}
   for name in methods:
-    directory = pathlib.Path(trace_root) / name
     with traced_as(name):
       state, run = vmapped_update(name, num_elements, density)
       state = jax.block_until_ready(run(state, grads))[0]  # compiled
-      with jax.profiler.trace(str(directory), create_perfetto_trace=True):
-        for _ in range(PROFILE_STEPS):
-          state, _ = run(state, grads)
-        state = jax.block_until_ready(state)
-      hlo = run.lower(state, grads).compile().as_text()
-    (directory / "step.hlo.txt").write_text(hlo)
-    profiles[name] = with_sources(busiest_operations(directory, PROFILE_STEPS), hlo)
+      profiles[name] = traced_steps(pathlib.Path(trace_root) / name, run, state, grads,
+                                    next_carry=lambda out: out[0])
   return profiles
 
 
@@ -280,6 +282,14 @@ def grid_row(num_elements, density, methods, repeats):
   return row, grads
 
 
+def gpt_methods(names):
+  """``(name, density)`` pairs of ``--gpt-methods`` (``exdyna@0.001,dense``)."""
+  if names is None:
+    return _gpu_train.GPT_METHODS
+  pairs = [name.partition("@") for name in names.split(",")]
+  return [(name, float(density) if density else None) for name, _, density in pairs]
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="small sizes, for CPU and tests")
@@ -291,8 +301,12 @@ def main(argv=None):
   parser.add_argument("--train", action="store_true", help="also time the whole train step")
   parser.add_argument("--gpt", action="store_true",
                       help="also time the train step of a GPT-like transformer")
+  parser.add_argument("--gpt-methods", default=None, metavar="M@D,...",
+                      help="the GPT's methods (default: all; compute always runs first)")
   parser.add_argument("--check", action="store_true",
                       help="also check that the kernels and the loops give the same run")
+  parser.add_argument("--against-cpu", action="store_true",
+                      help="also compare every method's run here with the CPU's")
   parser.add_argument("--chunk-scales", default=None, metavar="S,S,...",
                       help="also time exdyna at these multiples of the chunk length")
   parser.add_argument("--profile", default=None, metavar="DIR",
@@ -336,6 +350,9 @@ def main(argv=None):
                     topk_over_exdyna=row["topk_over_exdyna"])
     save()
     if number == 0:
+      if args.against_cpu:
+        result["against_cpu"] = _gpu_against_cpu.against_cpu(density)
+        save()
       if args.check:
         result["kernels_against_loops"] = check_kernels(num_elements, density, grads)
         save()
@@ -352,7 +369,8 @@ def main(argv=None):
       if args.gpt:
         result["gpt"] = {}
         _gpu_train.gpt_rows(_gpu_train.QUICK_GPT if args.quick else _gpu_train.GPT,
-                            args.repeats, result["gpt"], save=save)
+                            args.repeats, result["gpt"], save=save, profile=args.profile,
+                            profiled=GPT_PROFILED, methods=gpt_methods(args.gpt_methods))
       if args.profile:
         result["profile"] = profile_methods(
             args.profile, num_elements, density, grads, args.profile_methods.split(","))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from benchmarks.report._format import Report, short, table
 
 UPDATE_METHODS = ("exdyna", "exdyna_loops", "exdyna_unguarded", "exdyna_reference", "micro",
-                  "topk_ef", "floor")
+                  "topk_union", "topk_ef", "floor")
 PROFILE_ITEMS = 5
 GAPS = 3
 
@@ -20,7 +20,9 @@ def gpu_section(rep: Report, gpu: dict | None) -> None:
     "included); `exdyna queued` is ExDyna with the steps queued (the device's rate). "
     "`floor` is the elementwise floor as a program (read the gradient and the residual, "
     "write the residual and the update), `16N B` the same bytes at the copy bandwidth "
-    "measured in the row (`y = x + 1` in place, queued): the floor the targets use."
+    "measured in the row (`y = x + 1` in place, queued): the floor the targets use. "
+    "`topk_union` is `topk(d / 8, exact=False)`, the AdamW recipe's sparsifier."
+    + (f" {gpu['sources']}" if "sources" in gpu else "")
   )
   rows = []
   for r in gpu["rows"]:
@@ -51,6 +53,8 @@ def gpu_section(rep: Report, gpu: dict | None) -> None:
               [[scale, f"{row['chunk']:,}", f"{1e3 * row['seconds']:.3f}"]
                for scale, row in gpu["chunk_scales"].items()])
     )
+  if "against_cpu" in gpu:
+    against_cpu_paragraph(rep, gpu["against_cpu"])
   if "kernels_against_loops" in gpu:
     check_paragraph(rep, gpu["kernels_against_loops"])
   if "train" in gpu:
@@ -87,6 +91,22 @@ def train_table(rep: Report, train: dict) -> None:
   )
 
 
+def against_cpu_paragraph(rep: Report, check: dict) -> None:
+  methods = [k for k, v in check.items() if isinstance(v, dict)]
+  same = all(check[m]["transmitted_equal"] for m in methods)
+  worst = max(methods, key=lambda m: check[m]["update_relative_difference"])
+  rep.add(
+    f"Every method's run on the {check['accelerator'].upper()} against the same run on the "
+    f"CPU (`--against-cpu`: {', '.join(methods)}; 8 workers, {check['steps']} steps, "
+    f"N = {check['elements']:,} in three leaves, d = {check['density']}): the indices sent "
+    f"the same at every step: **{same}**; the updates within "
+    f"{check[worst]['update_relative_difference']:.1e} relative ({worst}), the states within "
+    f"{max(check[m]['state_relative_difference'] for m in methods):.1e}."
+  )
+  rep.target("GPU: every method's run equals the CPU's (the indices sent)", "equal",
+             "equal" if same else "differ", same)
+
+
 def check_paragraph(rep: Report, check: dict) -> None:
   methods = [m for m in ("exdyna", "exdyna_reference", "micro") if m in check]
   rep.add(
@@ -107,15 +127,16 @@ def check_paragraph(rep: Report, check: dict) -> None:
 
 
 def gpt_table(rep: Report, gpt: dict) -> None:
-  names = [k for k, v in gpt.items() if isinstance(v, dict)]
+  names = [k for k, v in gpt.items() if isinstance(v, dict) and k != "profile"]
   rep.add(
     f"The train step of a GPT-like transformer: {gpt['layers']} layers, width "
     f"{gpt['width']}, {gpt['heads']} heads, {gpt['vocab']} tokens, context {gpt['context']} "
     f"({gpt['parameters']:,} parameters, causal attention in bfloat16), {gpt['workers']} "
     f"workers under `vmap` with {gpt['sequences_per_worker']} sequences each, "
     "`optax.chain(method, optax.adamw)` (`compute`: AdamW alone, the workers' updates "
-    "averaged on the device), params and state donated. `method@d`: the density; "
-    "`_loops`: the passes over the partition as XLA loops, as before the kernels; "
+    "averaged on the device; `topk_union`: the AdamW recipe, "
+    "`sparse_adamw(topk(d / 8, exact=False))`), params and state donated. `method@d`: the "
+    "density; `_loops`: the passes over the partition as XLA loops, as before the kernels; "
     "`_unguarded`: a diagnostic with the guard's conditionals patched out.\n\n"
     + table(["method", "ms per 8-worker step", "queued", "/ compute"],
             [[n, f"{1e3 * gpt[n]['seconds']:.1f}", f"{1e3 * gpt[n]['queued_seconds']:.1f}",
