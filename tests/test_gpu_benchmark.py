@@ -12,7 +12,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from benchmarks import _gpu_profile, _gpu_train, gpu
+from benchmarks import _gpu_against_cpu, _gpu_profile, _gpu_train, gpu
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -47,6 +47,18 @@ def test_quick_train_step_times_every_method(tmp_path):
   assert train["parameters"] == sum(a * b + b for a, b in itertools.pairwise(layers))
   for name in _gpu_train.TRAIN_METHODS:
     assert train[name]["seconds"] > 0, name
+
+
+def test_against_cpu_compares_the_indices_sent_and_the_updates_of_each_method():
+  """``--against-cpu`` here compares the CPU with itself: the same indices, no difference."""
+  result = _gpu_against_cpu.against_cpu(0.01, methods=("topk", "exdyna_reference"))
+  assert result["elements"] == 201_216 and result["steps"] == _gpu_against_cpu.STEPS
+  for name in ("topk", "exdyna_reference"):
+    assert result[name] == {"transmitted_equal": True, "update_relative_difference": 0.0,
+                            "state_relative_difference": 0.0}, name
+  assert gpu.gpt_methods("compute,exdyna@0.001,topk_union@0.01") == [
+      ("compute", None), ("exdyna", 0.001), ("topk_union", 0.01)]
+  assert gpu.gpt_methods(None) == _gpu_train.GPT_METHODS
 
 
 def test_the_gpt_has_85m_parameters_and_starts_at_the_uniform_loss():

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 import exdyna_jax
+from exdyna_jax.core import _collectives
 from exdyna_jax.selection import _range_kernels, _selection
-from exdyna_jax.shell import _guard
 from tests import harness
 from tests.test_selection import numpy_select
 
@@ -143,7 +143,7 @@ def test_the_step_lowers_for_nvidia_gpus_with_three_triton_kernels(name, monkeyp
 
   step = jax.jit(jax.shard_map(body, mesh=harness.mesh_of(8), in_specs=jax.P(harness.AXIS),
                                out_specs=jax.P(harness.AXIS), check_vma=True))
-  with mock.patch.object(_guard, "on_host", lambda *args: jnp.int32(0)):
+  with mock.patch.object(_collectives, "on_host", lambda *args: jnp.int32(0)):
     text = step.trace(grads).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 3
 

@@ -12,12 +12,14 @@ collective sends per worker (the model `SparsifierStats.bytes_sent` uses).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import P
 
 INDEX_BYTES = 4
 VALUE_BYTES = 4
@@ -244,14 +246,16 @@ def same_on_every_worker(value: jax.Array, axis_name: str, *, name: str) -> jax.
   """``value``, which every worker must hold alike; a step where they differ stops.
 
   One ``pmin`` and one ``pmax`` tell every worker the range; where it is not a
-  single value, the step raises on the host (a `ValueError` naming ``name``,
-  surfacing as a ``JaxRuntimeError`` under ``jit``).
+  single value, the step raises on the host (`on_host`: a `ValueError` naming
+  ``name``, surfacing as a ``JaxRuntimeError`` under ``jit``).
   """
   as_int = value.dtype == jnp.bool_
   low, high = (reduce(value.astype(jnp.int32) if as_int else value, axis_name)
                for reduce in (jax.lax.pmin, jax.lax.pmax))
-  jax.debug.callback(functools.partial(_raise_if_differ, name=name), jnp.any(low != high))
-  return high.astype(value.dtype)
+  differ = jnp.any(low != high)
+  stopped = jax.lax.cond(differ, functools.partial(
+      on_host, functools.partial(_raise_if_differ, name=name), differ), lambda: jnp.int32(0))
+  return jnp.where(stopped > 0, jnp.zeros_like(high), high).astype(value.dtype)
 
 
 def _raise_if_differ(differ: Any, *, name: str) -> None:
@@ -260,6 +264,35 @@ def _raise_if_differ(differ: Any, *, name: str) -> None:
         f"reduce='same' for {name}, but the workers' values differ: it depends on each "
         "worker's batch. Use 'mean' to average it or 'sum' to add up each worker's change."
     )
+
+
+def on_host(callback: Callable[..., None], *args: jax.Array) -> jax.Array:
+  """Runs ``callback(*args)`` on the host; returns an int32 0 to keep in the results.
+
+  A ``jax.pure_callback``, not a ``jax.debug.callback``: a program with an
+  effect leaves JAX's fast dispatch path (on a CPU that doubled a small
+  step's time), and one without is dropped unless its result is used, so the
+  caller adds the 0 it returns into a result. JAX runs a callback only where
+  every mesh axis is manual or none is: under a ``shard_map`` manual over
+  some axes (the data axis of a ``(data, model)`` mesh) it runs in a
+  ``shard_map`` of its own over the rest, taking ``args`` (replicated
+  scalars) as arguments.
+  """
+  def zero_after(*host_args):  # batched under vmap: all args broadcast to the batch's shape
+    callback(*host_args)
+    return np.zeros(np.shape(host_args[0]), np.int32)
+
+  def call(*args):
+    return jax.pure_callback(zero_after, jax.ShapeDtypeStruct((), jnp.int32), *args,
+                             vmap_method="broadcast_all")
+
+  mesh = jax.sharding.get_abstract_mesh()
+  rest = frozenset(name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                   if kind != jax.sharding.AxisType.Manual)
+  if not rest or len(rest) == len(mesh.axis_names):
+    return call(*args)
+  return jax.shard_map(call, in_specs=P(), out_specs=P(), axis_names=rest,
+                       check_vma=False)(*args)
 
 
 def ring_all_gather_bytes(num_workers: int, message_bytes: int) -> int:

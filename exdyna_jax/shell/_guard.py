@@ -27,7 +27,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import P
 
 from exdyna_jax.core import _collectives, _layout, _stats
 
@@ -206,35 +205,6 @@ def raise_if_state_does_not_fit(recorded_workers: np.ndarray, recorded_layout: n
     )
 
 
-def on_host(callback: Callable[..., None], *args: jax.Array) -> jax.Array:
-  """Runs ``callback(*args)`` on the host; returns an int32 0 to keep in the results.
-
-  A ``jax.pure_callback``, not a ``jax.debug.callback``: a program with an
-  effect leaves JAX's fast dispatch path (on a CPU that doubled a small
-  step's time), and one without is dropped unless its result is used, so the
-  caller adds the 0 it returns into a result. JAX runs a callback only where
-  every mesh axis is manual or none is: under a ``shard_map`` manual over
-  some axes (the data axis of a ``(data, model)`` mesh) it runs in a
-  ``shard_map`` of its own over the rest, taking ``args`` (replicated
-  scalars) as arguments.
-  """
-  def zero_after(*host_args):  # batched under vmap: all args broadcast to the batch's shape
-    callback(*host_args)
-    return np.zeros(np.shape(host_args[0]), np.int32)
-
-  def call(*args):
-    return jax.pure_callback(zero_after, jax.ShapeDtypeStruct((), jnp.int32), *args,
-                             vmap_method="broadcast_all")
-
-  mesh = jax.sharding.get_abstract_mesh()
-  rest = frozenset(name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
-                   if kind != jax.sharding.AxisType.Manual)
-  if not rest or len(rest) == len(mesh.axis_names):
-    return call(*args)
-  return jax.shard_map(call, in_specs=P(), out_specs=P(), axis_names=rest,
-                       check_vma=False)(*args)
-
-
 def skip_if_nonfinite(
     screened: Screen,
     step: Callable[..., tuple[Any, Any]],
@@ -300,14 +270,14 @@ def stop_if_misfit(screened: Screen, output: Any, previous: _stats.SparsifierSta
 
   Its conditional waits for the step's ``output``: a GPU reads the predicate
   back to the host, and by then it has launched all of the step. Returns
-  `on_host`'s int32 0 (0 too where no misfit was found), for the caller to
+  `_collectives.on_host`'s int32 0 (0 too where no misfit was found), for the caller to
   keep in its results.
   """
   misfit, _ = jax.lax.optimization_barrier((screened.misfit, jax.tree.leaves(output)))
   stop = functools.partial(raise_if_state_does_not_fit, num_workers=num_workers,
                            axis_name=axis_name, leaves=leaves)
   return jax.lax.cond(misfit, functools.partial(
-      on_host, stop, previous.num_workers, previous.layout, screened.layout),
+      _collectives.on_host, stop, previous.num_workers, previous.layout, screened.layout),
       lambda: jnp.int32(0))
 
 
