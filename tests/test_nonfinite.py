@@ -280,9 +280,8 @@ def test_simulated_workers_keep_the_guards_conditionals(name):
 def test_the_guarded_step_has_no_effects_so_jax_dispatches_it_on_its_fast_path(name):
   """The check of a state that does not fit reaches the host through a pure
   callback whose result the stats keep: the update has no effects (a
-  ``jax.debug.callback`` is one, and JAX then dispatches every call of the
-  jitted step on its slow path: twice a small step's time on a CPU, and on a
-  GPU a device idle between steps), and the check is still in the program."""
+  ``jax.debug.callback`` is one, and JAX dispatches a program with an effect
+  on its slow path, every call), and the check is still in the program."""
   tx = exdyna_jax.get_sparsifier(name, axis_name="data", **OPTIONS[name])
   state = jax.vmap(lambda _: tx.init(params()), axis_name="data")(jnp.arange(NUM_WORKERS))
   grads = jax.tree.map(lambda g: jnp.asarray(g[:, 0]), clean_gradients(1))
@@ -290,8 +289,6 @@ def test_the_guarded_step_has_no_effects_so_jax_dispatches_it_on_its_fast_path(n
   closed = jax.make_jaxpr(step)(grads, state)
   assert not closed.effects
   assert re.search(r"custom_call @\w*python\w*callback", step.lower(grads, state).as_text())
-  step(grads, state)  # the C++ dispatch path records the executable when it may use it
-  assert step._cache_size() == 1
 
 
 def test_a_step_past_int32_bytes_reads_saturated_and_is_totalled_exactly():

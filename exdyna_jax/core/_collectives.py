@@ -269,10 +269,10 @@ def _raise_if_differ(differ: Any, *, name: str) -> None:
 def on_host(callback: Callable[..., None], *args: jax.Array) -> jax.Array:
   """Runs ``callback(*args)`` on the host; returns an int32 0 to keep in the results.
 
-  A ``jax.pure_callback``, not a ``jax.debug.callback``: a program with an
-  effect leaves JAX's fast dispatch path (on a CPU that doubled a small
-  step's time), and one without is dropped unless its result is used, so the
-  caller adds the 0 it returns into a result. JAX runs a callback only where
+  A ``jax.pure_callback``, not a ``jax.debug.callback``: JAX dispatches a
+  program with an effect outside its fast path, every call, and a pure
+  callback is dropped unless its result is used, so the caller adds the 0
+  it returns into a result. JAX runs a callback only where
   every mesh axis is manual or none is: under a ``shard_map`` manual over
   some axes (the data axis of a ``(data, model)`` mesh) it runs in a
   ``shard_map`` of its own over the rest, taking ``args`` (replicated
