@@ -175,6 +175,22 @@ def test_a_worker_axis_cut_or_padded_to_fit_is_refused(name, saved, restored):
     jax.block_until_ready(stepper(tx)(fitted, grads))
 
 
+def test_a_cut_state_is_refused_on_every_device_of_a_mesh():
+  """Workers simulated with ``vmap`` in a program sharded over a mesh of
+  automatic axes (``jax.set_mesh``): the check runs on every device, so the
+  step raises instead of leaving seven devices waiting for the eighth's."""
+  tx = make_tx("exdyna")
+  mesh = jax.make_mesh((8,), ("devices",), axis_types=(jax.sharding.AxisType.Auto,))
+  init = jax.vmap(tx.init, in_axes=None, axis_name=AXIS, axis_size=8)
+  fitted = cut_or_pad(init(jnp.zeros(N)), init(jnp.zeros(N)))
+  fitted = fitted._replace(stats=fitted.stats._replace(num_workers=np.full(8, 4, np.int32)))
+  on_devices = jax.NamedSharding(mesh, jax.P("devices"))
+  state, grads = jax.device_put((fitted, np.ones((8, 1, N), np.float32)), on_devices)
+  with jax.set_mesh(mesh), pytest.raises(
+      jax.errors.JaxRuntimeError, match=r"initialized for 4 workers but axis 'data' has 8"):
+    jax.block_until_ready(stepper(tx)(state, grads))
+
+
 def test_a_hierarchical_state_is_refused_with_what_to_do():
   """Its init needs the fast axis bound too: the error says it cannot be resized and why."""
   tx = exdyna_jax.hierarchical(exdyna_jax.topk(0.25, axis_name="node"))

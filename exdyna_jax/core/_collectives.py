@@ -272,11 +272,14 @@ def on_host(callback: Callable[..., None], *args: jax.Array) -> jax.Array:
   A ``jax.pure_callback``, not a ``jax.debug.callback``: JAX dispatches a
   program with an effect outside its fast path, every call, and a pure
   callback is dropped unless its result is used, so the caller adds the 0
-  it returns into a result. JAX runs a callback only where
-  every mesh axis is manual or none is: under a ``shard_map`` manual over
-  some axes (the data axis of a ``(data, model)`` mesh) it runs in a
-  ``shard_map`` of its own over the rest, taking ``args`` (replicated
-  scalars) as arguments.
+  it returns into a result. Where the context's mesh has axes that are not
+  manual, the callback runs in a ``shard_map`` over them, once on every
+  device, taking ``args`` (replicated scalars): JAX refuses a callback
+  under partly automatic sharding, and under wholly automatic sharding it
+  runs it on one device, whose raise would leave the others waiting for
+  its result. (Workers simulated with ``vmap`` over arrays sharded across
+  devices without a mesh context are that last case: a raise there is
+  printed and the run stops when XLA gives up waiting.)
   """
   def zero_after(*host_args):  # batched under vmap: all args broadcast to the batch's shape
     callback(*host_args)
@@ -287,11 +290,11 @@ def on_host(callback: Callable[..., None], *args: jax.Array) -> jax.Array:
                              vmap_method="broadcast_all")
 
   mesh = jax.sharding.get_abstract_mesh()
-  rest = frozenset(name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
-                   if kind != jax.sharding.AxisType.Manual)
-  if not rest or len(rest) == len(mesh.axis_names):
+  automatic = frozenset(name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                        if kind != jax.sharding.AxisType.Manual)
+  if not automatic:
     return call(*args)
-  return jax.shard_map(call, in_specs=P(), out_specs=P(), axis_names=rest,
+  return jax.shard_map(call, in_specs=P(), out_specs=P(), axis_names=automatic,
                        check_vma=False)(*args)
 
 
