@@ -38,8 +38,10 @@ gradients and SGD, no exchange), ``dense``, ``exdyna`` and ``topk``.
 width 768, 85.3M parameters, causal attention in bfloat16, a byte vocabulary),
 8 workers under ``vmap`` with `GPT_BATCH` sequences of 256 tokens each,
 ``optax.chain(method, optax.adamw)``: ``compute`` (AdamW alone, the updates
-averaged on the one device), ``dense``, ``exdyna`` at d = 0.01 and 0.001, and
-ExDyna at 0.001 with the loops (``exdyna_loops``).
+averaged on the one device), ``dense``, ``exdyna`` and the AdamW recipe
+``topk_union`` (``sparse_adamw(topk(d / 8, exact=False))``) at d = 0.001 and
+0.01 (`_gpu_train.GPT_METHODS`; ``--gpt-methods exdyna@0.001,...`` picks
+some, ``compute`` always first).
 
 ``--check`` compares the Pallas kernels with the loops on this device
 (``kernels_against_loops``): the two passes on one worker's gradient, and
