@@ -28,7 +28,7 @@ METHODS = (*exdyna_jax.available_sparsifiers(), "exdyna_reference")
 
 
 def run(name, density, grads, device):
-  """``STEPS`` steps of ``name`` on ``device``: each step's update, stats and state."""
+  """``STEPS`` steps of ``name`` on ``device``: each step's ``(update, state)``, on the host."""
   extra = {"controller": "reference"} if name == "exdyna_reference" else {}
   tx = _common.make_tx(name.removesuffix("_reference"), density, WORKERS, **extra)
   params = jax.tree.map(lambda g: jnp.zeros(g.shape[1:], g.dtype), grads)
