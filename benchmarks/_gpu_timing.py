@@ -66,13 +66,13 @@ def traced_as(name):
   return mock.patch.object(_range_kernels, "KERNEL_PLATFORMS", ())
 
 
-def unguarded_screen(values, stats, num_workers, axis_name, *, layout=0):
+def unguarded_screen(values, stats, num_workers, axis_name, *, layout=0, leaves=""):
   """A sum over the values and its ``psum``, as `_guard.screen`'s on a CPU, without its
-  conditional count (a diagnostic)."""
-  del stats, num_workers
+  conditional count or the check of a state that does not fit (a diagnostic)."""
+  del stats, num_workers, leaves
   total = sum(jnp.sum(leaf, dtype=jnp.float32) for leaf in jax.tree.leaves(values))
   tripped = jax.lax.psum((~jnp.isfinite(total)).astype(jnp.int32), axis_name)
-  return _guard.Screen(tripped, jnp.bool_(False), jnp.int32(layout), jnp.int32(0))
+  return _guard.Screen(tripped, jnp.bool_(False), jnp.int32(layout), jnp.int32(0), jnp.int32(0))
 
 
 def method_of(name):

@@ -145,7 +145,7 @@ def _patched(patch: str | None):
     def no_screen(values, stats, num_workers, axis_name, **unused_kwargs):
       # An opaque zero: a constant would let XLA fold the step's select away.
       zero = jax.lax.axis_index(axis_name) * 0
-      return _guard.Screen(zero, zero > 0, zero, zero)
+      return _guard.Screen(zero, zero > 0, zero, zero, zero)
 
     saved = {
       (_guard, "screen"): no_screen,

@@ -226,9 +226,10 @@ def test_nonfinite_elements_are_counted_once_in_leaves_of_any_size(size):
 
 def test_a_tree_is_screened_in_one_pass_and_counted_leaf_by_leaf():
   """Bad elements in two of five leaves are all counted. On a GPU the pass
-  counts them, with no conditional (a GPU reads a conditional's predicate
-  back to the host); on a CPU, where a count is slower than a sum, the pass
-  sums and one conditional counts where the sum is not finite."""
+  counts them, with no conditional of its own (a GPU reads a conditional's
+  predicate back to the host: the screen's one is the check of a state that
+  does not fit); on a CPU, where a count is slower than a sum, the pass
+  sums and one more conditional counts where the sum is not finite."""
   rng = np.random.default_rng(0)
   tree = {f"w{i}": rng.normal(size=(3, 100 + i)).astype(np.float32) for i in range(5)}
   tree["w1"][0, :3] = [np.nan, np.inf, -np.inf]
@@ -236,7 +237,7 @@ def test_a_tree_is_screened_in_one_pass_and_counted_leaf_by_leaf():
   batched = jax.tree.map(lambda leaf: leaf[None], tree)
   assert int(jax.vmap(screen, axis_name="data")(batched).nonfinite[0]) == 4
   jaxpr = jax.make_jaxpr(screen, axis_env=[("data", 1)])(tree).jaxpr  # as one worker traces it
-  for platform, conditionals in (("cpu", 1), ("cuda", 0)):
+  for platform, conditionals in (("cpu", 2), ("cuda", 1)):
     equations = harness.all_equations(jaxpr, platform)
     assert [eqn.primitive.name for eqn in equations].count("cond") == conditionals, platform
 
@@ -291,6 +292,29 @@ def test_the_guarded_step_has_no_effects_so_jax_dispatches_it_on_its_fast_path(n
   assert re.search(r"custom_call @\w*python\w*callback", step.lower(grads, state).as_text())
 
 
+def test_the_check_of_a_state_that_does_not_fit_comes_before_the_step():
+  """The pass that forms ``a = g + m`` waits on the check's conditional (on a
+  GPU the host reads its predicate back, and there the device idled while
+  the host dispatched the next step when the check came at the step's end).
+  The update stays the same on every worker: unbatched under ``vmap``."""
+  tx = exdyna_jax.exdyna(axis_name="data", **OPTIONS["exdyna"])
+  state = jax.vmap(lambda _: tx.init(params()), axis_name="data")(jnp.arange(NUM_WORKERS))
+  grads = jax.tree.map(lambda g: jnp.asarray(g[:, 0]), clean_gradients(1))
+  closed = jax.make_jaxpr(jax.vmap(
+      lambda g, s: tx.update(g, s, params()), axis_name="data"))(grads, state)
+  checks = [eqn for eqn in closed.jaxpr.eqns
+            if eqn.primitive.name == "cond" and "pure_callback" in str(eqn.params["branches"])]
+  assert len(checks) == 1
+  after_check = set(checks[0].outvars)  # what depends on the check, equation by equation
+  for eqn in closed.jaxpr.eqns:
+    if any(isinstance(v, jax.extend.core.Var) and v in after_check for v in eqn.invars):
+      after_check.update(eqn.outvars)
+  residual = closed.jaxpr.outvars[len(jax.tree.leaves(grads))]  # after the update's leaves
+  assert residual in after_check
+  jax.vmap(lambda g, s: tx.update(g, s, params()), axis_name="data",
+           out_axes=(None, 0))(grads, state)  # raises where the update is batched
+
+
 def test_a_step_past_int32_bytes_reads_saturated_and_is_totalled_exactly():
   """A step whose own bytes pass ``2**31 - 1`` (a dense all-reduce of 307M
   float32 parameters on 8 workers) reads saturated once the guard adds its
@@ -306,7 +330,7 @@ def test_a_step_past_int32_bytes_reads_saturated_and_is_totalled_exactly():
 
     state = _feedback.ErrorFeedbackState(jnp.zeros(1), previous)
     screened = _guard.screen(values, previous, 2, "data")
-    return _guard.skip_if_nonfinite(screened, step, (), state, 2, "data")[1].stats
+    return _guard.skip_if_nonfinite(screened, step, (), state)[1].stats
 
   stats = jax.vmap(guarded, axis_name="data")({"w": np.ones((2, 4), np.float32)})
   np.testing.assert_array_equal(stats.bytes_sent, [2**31 - 1] * 2)

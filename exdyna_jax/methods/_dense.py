@@ -96,7 +96,7 @@ def dense(*, axis_name: str = "data") -> _collectives.Sparsifier:
     )
     # Leaves sharded over an Explicit axis (tensor parallel) are summed shard by shard.
     return _guard.skip_if_nonfinite(
-        screened, lambda: (mean, state._replace(stats=stats)), (), state, num_workers, axis_name,
+        screened, lambda: (mean, state._replace(stats=stats)), (), state,
         skipped=lambda shapes: jax.tree.map(jnp.zeros_like, mean))
 
   return _collectives.Sparsifier(init_fn, update_fn, axis_name)

@@ -120,13 +120,13 @@ def error_feedback_transform(
       fingerprint, leaves = _layout.fingerprint(updates)
       screened = _guard.screen(updates, state.stats, num_workers,
                                _per_shard.with_shard_axes(axis_name, _shard_axes),
-                               layout=fingerprint)
-      accumulated = accumulate(updates, state.residual, screened.nonfinite)  # [1, N]
+                               layout=fingerprint, leaves=leaves)
+      # [1, N], formed once the check of the state has passed (its 0 added)
+      accumulated = accumulate(updates, state.residual, screened.nonfinite + screened.checked)
       # The method sees neither the residual nor leaves_seen: the shell owns both.
       previous = state._replace(residual=None, leaves_seen=None)
       sparse, new_state = _guard.skip_if_nonfinite(
-          screened, step, (accumulated[0], previous, num_workers), previous, num_workers,
-          axis_name, leaves=leaves,
+          screened, step, (accumulated[0], previous, num_workers), previous,
           skipped=lambda shapes: _exchange.SparseUpdate.nothing(
               shapes, layout.num_elements, axis_name))
       sparse = keep_what_rounding_loses(sparse, layout)

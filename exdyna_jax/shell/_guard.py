@@ -9,13 +9,14 @@ alike and the collectives stay matched (a per-worker decision, as
 ``optax.apply_if_finite`` makes, would desynchronise them). The step itself
 always runs (on the residual alone when the gradient is bad: the shell
 forms ``a = m``) and a skipped step's results are dropped by a select, so
-no conditional waits on the screen before the step: a GPU reads a
-conditional's predicate back to the host before it launches the branch. A
-state that does not fit stops the step with an error on the host: its
-recorded worker count is not the axis size (a restore cut or padded its
-worker axis to fit), or it records the layout of another gradient tree
-(leaves renamed or reordered since a checkpoint); that conditional comes
-after the step.
+no conditional waits on the bad-element count before the step: a GPU reads
+a conditional's predicate back to the host before it launches the branch.
+A state that does not fit stops the step with an error on the host before
+the step runs: its recorded worker count is not the axis size (a restore
+cut or padded its worker axis to fit), or it records the layout of another
+gradient tree (leaves renamed or reordered since a checkpoint). That check
+is one conditional, on the flag the screen's ``psum`` carries beside the
+bad-element count.
 """
 
 from __future__ import annotations
@@ -44,23 +45,29 @@ class Screen(NamedTuple):
     layout: int32 the values' `_layout.fingerprint` (0: not checked).
     bytes_sent: int32 what the screen sent (its ``psum``; a CPU's count of
       a bad step's elements too).
+    checked: int32 0, `stop_if_misfit`'s, this worker's own: what adds it
+      waits on the check. Kept apart from ``nonfinite``, which decides the
+      update, so that the update stays the same on every worker (and typed
+      so under ``shard_map``).
   """
 
   nonfinite: jax.Array
   misfit: jax.Array
   layout: jax.Array
   bytes_sent: jax.Array
+  checked: jax.Array
 
 
 def screen(values: Any, stats: _stats.SparsifierStats, num_workers: int, axis_name: str, *,
-           layout: int = 0) -> Screen:
-  """Counts every worker's NaN and infinite ``values``, and whether its state fits.
+           layout: int = 0, leaves: str = "") -> Screen:
+  """Counts every worker's NaN and infinite ``values``; stops a state that does not fit.
 
   One read-only pass and one ``psum`` of two int32 words tell every worker
   the same answer. On a GPU the pass counts the bad elements
   (`_count_by_count`); on a CPU, where a count takes several times longer
   than a sum, it sums the values and counts only where some worker's sum is
-  not finite (`_count_by_sum`).
+  not finite (`_count_by_sum`). Where some worker's state does not fit,
+  `stop_if_misfit` raises on the host, before the step.
 
   Args:
     values: this worker's array, or pytree of arrays.
@@ -71,6 +78,8 @@ def screen(values: Any, stats: _stats.SparsifierStats, num_workers: int, axis_na
     layout: the `_layout.fingerprint` of ``values`` where the state holds a
       residual laid out like them (a state that records another misfits);
       0 (default) checks nothing.
+    leaves: the leaves of ``values`` (`_layout.fingerprint`), for the
+      message of a state laid out for another tree.
 
   Returns:
     The `Screen`.
@@ -80,9 +89,12 @@ def screen(values: Any, stats: _stats.SparsifierStats, num_workers: int, axis_na
   nonfinite, misfits, sent = jax.lax.platform_dependent(
       values, misfit, cpu=functools.partial(_count_by_sum, axis_name=axis_name),
       default=functools.partial(_count_by_count, axis_name=axis_name))
+  stopped = stop_if_misfit(misfits > 0, stats, layout, num_workers=num_workers,
+                           axis_name=axis_name, leaves=leaves)
   flag_bytes = _collectives.ring_all_reduce_bytes(num_workers, 2 * _collectives.INDEX_BYTES)
   count_bytes = _collectives.ring_all_reduce_bytes(num_workers, _collectives.INDEX_BYTES)
-  return Screen(nonfinite, misfits > 0, jnp.int32(layout), flag_bytes + sent * count_bytes)
+  return Screen(nonfinite, misfits > 0, jnp.int32(layout), flag_bytes + sent * count_bytes,
+                stopped)
 
 
 def _count_by_count(values: Any, misfit: jax.Array, *, axis_name: str
@@ -210,22 +222,15 @@ def skip_if_nonfinite(
     step: Callable[..., tuple[Any, Any]],
     args: tuple[Any, ...],
     state: Any,
-    num_workers: int,
-    axis_name: str,
     *,
     skipped: Callable[[Any], Any] | None = None,
-    leaves: str = "",
 ) -> tuple[Any, Any]:
   """The non-finite policy, shared by every method: skip the step on all workers.
 
   ``step`` always runs, and where the `Screen` found a bad element (on any
   worker: it is the same on every one) its output and state are replaced by
   the ``skipped`` output and ``state``: selects on the small results, so a
-  finite step waits on no conditional. A state that does not fit
-  (`raise_if_state_does_not_fit`: its recorded worker count is not ``n``,
-  or it records another tree's layout; stepping it would silently lose or
-  misplace residuals) is stopped on the host, in a conditional that waits
-  for the step's output, and its results are dropped too.
+  finite step waits on no conditional.
 
   Args:
     screened: the `screen` of this step's gradients and of the state.
@@ -234,18 +239,15 @@ def skip_if_nonfinite(
     args: what ``step`` is called with (finite on a skipped step too).
     state: the method's state before the step (a ``NamedTuple`` with
       ``stats``): a skipped step leaves it as it is.
-    num_workers: ``n``, to name in the message.
-    axis_name: the data-parallel axis, for the message.
     skipped: maps the shapes of ``step``'s output (``jax.ShapeDtypeStruct``
       leaves) to the output of a skipped step; by default zeros.
-    leaves: the gradient tree's leaves (`_layout.fingerprint`), for the
-      message of a state laid out for another tree.
 
   Returns:
     ``step(*args)`` when ``screened.nonfinite == 0``; otherwise the
-    ``skipped`` output and ``state``. Either way the state's ``stats.step`` counts the steps
-    taken (the only place it is advanced), ``stats.nonfinite`` is set to
-    ``screened.nonfinite``, ``stats.skipped_steps`` counts the skipped steps,
+    ``skipped`` output and ``state``. Either way the state's ``stats.step``
+    counts the steps taken (the only place it is advanced),
+    ``stats.nonfinite`` is set to ``screened.nonfinite`` (its ``checked`` 0
+    added), ``stats.skipped_steps`` counts the skipped steps,
     ``stats.bytes_sent`` is what the step and the screen sent (a skipped
     step's exchange runs too), and the running totals add this step's
     figures (a skipped step's bytes only); ``stats.layout`` records
@@ -254,46 +256,53 @@ def skip_if_nonfinite(
   if skipped is None:
     skipped = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype))
   output, ran = step(*args)
-  stopped = stop_if_misfit(screened, output, state.stats, num_workers=num_workers,
-                           axis_name=axis_name, leaves=leaves)
   drop = (screened.nonfinite > 0) | screened.misfit
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), output)
   output = jax.tree.map(lambda none, x: jnp.where(drop, none, x), skipped(shapes), output)
   new_state = jax.tree.map(lambda old, new: jnp.where(drop, old, new), state, ran)
   return output, new_state._replace(
-      stats=guarded_stats(new_state.stats, ran.stats, state.stats, screened, drop, stopped))
+      stats=guarded_stats(new_state.stats, ran.stats, state.stats, screened, drop))
 
 
-def stop_if_misfit(screened: Screen, output: Any, previous: _stats.SparsifierStats, *,
+def stop_if_misfit(misfit: jax.Array, stats: _stats.SparsifierStats, layout: int, *,
                    num_workers: int, axis_name: str, leaves: str) -> jax.Array:
-  """`raise_if_state_does_not_fit` on the host where the `Screen` found a misfit.
+  """`raise_if_state_does_not_fit` on the host where ``misfit``; int32 0 otherwise.
 
-  Its conditional waits for the step's ``output``: a GPU reads the predicate
-  back to the host, and by then it has launched all of the step. Returns
-  `_collectives.on_host`'s int32 0 (0 too where no misfit was found), for the caller to
-  keep in its results.
+  The caller adds the 0 into the pass the step starts with (and into the
+  stats), which keeps the check in the program (XLA drops a result nothing
+  uses) and stops a state that does not fit before the step runs on it.
+
+  Args:
+    misfit: bool, the same on every worker: whether some worker's ``stats``
+      record another worker count or layout.
+    stats: this worker's state's stats.
+    layout: this step's `_layout.fingerprint` (0: not checked).
+    num_workers: ``n``, to name in the message.
+    axis_name: the data-parallel axis, for the message.
+    leaves: the gradient tree's leaves, for the message.
+
+  Returns:
+    int32 0 (the callback's, where it ran and did not raise).
   """
-  misfit, _ = jax.lax.optimization_barrier((screened.misfit, jax.tree.leaves(output)))
   stop = functools.partial(raise_if_state_does_not_fit, num_workers=num_workers,
                            axis_name=axis_name, leaves=leaves)
   return jax.lax.cond(misfit, functools.partial(
-      _collectives.on_host, stop, previous.num_workers, previous.layout, screened.layout),
+      _collectives.on_host, stop, stats.num_workers, stats.layout, jnp.int32(layout)),
       lambda: jnp.int32(0))
 
 
 def guarded_stats(stats: _stats.SparsifierStats, ran: _stats.SparsifierStats,
                   previous_stats: _stats.SparsifierStats, screened: Screen,
-                  dropped: jax.Array, stopped: jax.Array) -> _stats.SparsifierStats:
+                  dropped: jax.Array) -> _stats.SparsifierStats:
   """The step's ``stats`` with the guard's fields: the step count, the bad elements, the bytes.
 
   ``ran`` is what the step reported before a skipped step's fields were
-  dropped: its bytes were sent either way. ``stopped`` is `stop_if_misfit`'s
-  0, added into the bad elements so that its check stays in the program.
+  dropped: its bytes were sent either way.
   """
   done = ~dropped
   return stats._replace(
       step=previous_stats.step + done.astype(jnp.int32),  # the one place steps are counted
-      nonfinite=screened.nonfinite + stopped,
+      nonfinite=screened.nonfinite + screened.checked,
       skipped_steps=previous_stats.skipped_steps + (screened.nonfinite > 0).astype(jnp.int32),
       bytes_sent=_stats.add_bytes(ran.bytes_sent, screened.bytes_sent),
       num_workers=previous_stats.num_workers,
