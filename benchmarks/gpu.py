@@ -51,6 +51,12 @@ ExDyna, its reference rule and MiCRO for a few steps (`check_kernels`).
 rule) for a few steps of 8 workers on this device and on the CPU, on the
 same gradients of a few leaves, and compares them (`_gpu_against_cpu`).
 
+``--compare-xla-flags='|--xla_gpu_enable_command_buffer='`` times the target
+row instead under each ``XLA_FLAGS`` setting between the bars (empty: XLA's
+defaults), each in a process of its own, the settings in turn
+``--rounds`` times (`_gpu_flags`); it writes ``results/gpu_flags.json``
+unless ``--out`` says otherwise.
+
 ``--chunk-scales 1,2,4`` also times ``exdyna`` at the target with the
 partition read in chunks that many times `_selection.chunk_length` (fewer
 loop iterations, more elements read past the partition's ends).
@@ -77,6 +83,7 @@ Writes ``results/gpu.json`` (``device``, ``exdyna_over_floor`` and
 Run: python -m benchmarks.gpu [--quick] [--target-only] [--train] [--gpt] [--check]
      [--against-cpu] [--profile DIR]
      [--out FILE] [--repeats 20] [--methods a,b,...]
+     python -m benchmarks.gpu --compare-xla-flags='F|F...' [--rounds 2] [--methods a,b,...]
 """
 
 from __future__ import annotations
@@ -91,7 +98,7 @@ import jax
 import jax.numpy as jnp
 
 import exdyna_jax
-from benchmarks import _common, _gpu_against_cpu, _gpu_train
+from benchmarks import _common, _gpu_against_cpu, _gpu_flags, _gpu_train
 from benchmarks._gpu_profile import traced_steps
 from benchmarks._gpu_timing import AXIS, WORKERS, method_of, timed_steps, timing, traced_as
 from exdyna_jax.selection import _selection
@@ -311,6 +318,10 @@ def main(argv=None):
                       help="also compare every method's run here with the CPU's")
   parser.add_argument("--chunk-scales", default=None, metavar="S,S,...",
                       help="also time exdyna at these multiples of the chunk length")
+  parser.add_argument("--compare-xla-flags", default=None, metavar="'F|F...'",
+                      help="time the target row under each XLA_FLAGS setting instead")
+  parser.add_argument("--rounds", type=int, default=2,
+                      help="how many times each --compare-xla-flags setting runs")
   parser.add_argument("--profile", default=None, metavar="DIR",
                       help="also trace methods at the target size into DIR")
   parser.add_argument("--profile-methods", default="exdyna",
@@ -321,6 +332,12 @@ def main(argv=None):
   if unknown:
     parser.error(f"--methods: {sorted(unknown)} unknown or missing; choose from {METHODS}, "
                  "with exdyna, topk_ef and floor")
+  if args.compare_xla_flags is not None:
+    out = pathlib.Path(args.out) if args.out else _common.RESULTS / "gpu_flags.json"
+    result = _gpu_flags.compare(args.compare_xla_flags.split("|"), methods, args.rounds,
+                                ["--repeats", str(args.repeats), *(["--quick"] * args.quick)])
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
   grid = QUICK_GRID if args.quick else FULL_GRID
   target = (TARGET["elements"], TARGET["density"])
   grid = sorted(grid, key=lambda cell: cell != target)  # the target first

@@ -107,3 +107,33 @@ def test_profile_summary_names_each_kernel_and_where_it_came_from(tmp_path):
   top = thread["top"][0]
   assert (top["count_per_step"], top["us_per_step"]) == (3, 12)
   assert top["source"].startswith("test_gpu_benchmark.py:") and "scaled_sum" in top["source"]
+
+
+def test_xla_flags_settings_take_turns_each_in_a_process_of_its_own(tmp_path, monkeypatch):
+  """``--compare-xla-flags``: each setting runs the target row in a fresh process
+  (``XLA_FLAGS`` is read once, at start), the settings in turn, an empty one with
+  ``XLA_FLAGS`` unset; the JSON holds every run's timings in the order run."""
+  calls = []
+
+  def fake_run(command, env, check, stdout):
+    calls.append((env.get("XLA_FLAGS"), command))
+    out = pathlib.Path(command[command.index("--out") + 1])
+    seconds = 1e-3 * len(calls)
+    row = {name: {"seconds": seconds, "queued_seconds": seconds / 2}
+           for name in ("exdyna", "topk_ef", "floor")}
+    out.write_text(json.dumps({"rows": [{**row, "exdyna_over_floor": 2.0 + len(calls)}]}))
+
+  monkeypatch.setenv("XLA_FLAGS", "--inherited")
+  monkeypatch.setattr(gpu._gpu_flags.subprocess, "run", fake_run)
+  out = tmp_path / "flags.json"
+  gpu.main(["--compare-xla-flags=|--xla_a=1", "--rounds", "2", "--repeats", "3",
+            "--methods", "exdyna,topk_ef,floor", "--out", str(out)])
+  assert [flags for flags, _ in calls] == [None, "--xla_a=1", None, "--xla_a=1"]
+  assert all(command[1:4] == ["-m", "benchmarks.gpu", "--target-only"]
+             and command[-2:] == ["--repeats", "3"] for _, command in calls)
+  result = json.loads(out.read_text())
+  assert result["settings"] == ["", "--xla_a=1"]
+  assert [(run["xla_flags"], run["round"]) for run in result["runs"]] == [
+      ("", 0), ("--xla_a=1", 0), ("", 1), ("--xla_a=1", 1)]
+  assert [run["rows"]["exdyna"]["seconds"] for run in result["runs"]] == [
+      1e-3, 2e-3, 3e-3, 4e-3]

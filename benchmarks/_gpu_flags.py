@@ -1,0 +1,55 @@
+"""The target row under several ``XLA_FLAGS``, interleaved, in one call (for `benchmarks.gpu`).
+
+XLA reads ``XLA_FLAGS`` once, when its backend starts, so each setting runs
+``benchmarks.gpu --target-only`` in a process of its own; the settings take
+turns, ``rounds`` times, so that a drift of the machine falls on all of them
+alike. An empty setting is XLA's defaults (``XLA_FLAGS`` unset).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+
+def compare(settings, methods, rounds, extra_args=()):
+  """Runs the target row under each setting of ``XLA_FLAGS``, ``rounds`` times in turn.
+
+  Args:
+    settings: ``XLA_FLAGS`` strings ("" for XLA's defaults).
+    methods: what ``--methods`` each run times.
+    rounds: how many times each setting runs.
+    extra_args: further arguments of every run (``--quick``, ``--repeats 5``).
+
+  Returns:
+    ``{"settings": [...], "runs": [{"xla_flags", "round", "rows": {method:
+    {"seconds", "queued_seconds"}}, "exdyna_over_floor"}]}``, in the order run.
+  """
+  runs = []
+  with tempfile.TemporaryDirectory() as scratch:
+    for number in range(rounds):
+      for flags in settings:
+        out = pathlib.Path(scratch) / f"{number}-{len(runs)}.json"
+        env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+        env.update({"XLA_FLAGS": flags} if flags else {})
+        subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--target-only", "--methods",
+                        ",".join(methods), "--out", str(out), *extra_args],
+                       env=env, check=True, stdout=subprocess.DEVNULL)
+        row = json.loads(out.read_text())["rows"][0]
+        runs.append({"xla_flags": flags, "round": number,
+                     "rows": {name: {key: row[name][key] for key in ("seconds", "queued_seconds")}
+                              for name in methods},
+                     "exdyna_over_floor": row["exdyna_over_floor"]})
+        print(table_line(runs[-1]), file=sys.stderr, flush=True)
+  return {"settings": list(settings), "runs": runs}
+
+
+def table_line(run):
+  """One run as a line: its flags, ExDyna over the floor, each method's blocked / queued ms."""
+  timings = " ".join(f"{name} {1e3 * row['seconds']:.3f}/{1e3 * row['queued_seconds']:.3f}"
+                     for name, row in run["rows"].items())
+  return f"[{run['xla_flags'] or 'defaults'}] x{run['exdyna_over_floor']:.2f} {timings}"
