@@ -15,8 +15,10 @@ import subprocess
 import sys
 import tempfile
 
+from benchmarks import _common
 
-def compare(settings, methods, rounds, extra_args=()):
+
+def compare(settings, methods, rounds, extra_args=(), out=None):
   """Runs the target row under each setting of ``XLA_FLAGS``, ``rounds`` times in turn.
 
   Args:
@@ -24,28 +26,32 @@ def compare(settings, methods, rounds, extra_args=()):
     methods: what ``--methods`` each run times.
     rounds: how many times each setting runs.
     extra_args: further arguments of every run (``--quick``, ``--repeats 5``).
+    out: where the JSON goes (default ``results/gpu_flags.json``).
 
   Returns:
     ``{"settings": [...], "runs": [{"xla_flags", "round", "rows": {method:
-    {"seconds", "queued_seconds"}}, "exdyna_over_floor"}]}``, in the order run.
+    {"seconds", "queued_seconds"}}, "exdyna_over_floor"}]}``, in the order run,
+    also written to ``out``.
   """
   runs = []
   with tempfile.TemporaryDirectory() as scratch:
     for number in range(rounds):
       for flags in settings:
-        out = pathlib.Path(scratch) / f"{number}-{len(runs)}.json"
+        row_out = pathlib.Path(scratch) / f"{number}-{len(runs)}.json"
         env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
         env.update({"XLA_FLAGS": flags} if flags else {})
         subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--target-only", "--methods",
-                        ",".join(methods), "--out", str(out), *extra_args],
+                        ",".join(methods), "--out", str(row_out), *extra_args],
                        env=env, check=True, stdout=subprocess.DEVNULL)
-        row = json.loads(out.read_text())["rows"][0]
+        row = json.loads(row_out.read_text())["rows"][0]
         runs.append({"xla_flags": flags, "round": number,
                      "rows": {name: {key: row[name][key] for key in ("seconds", "queued_seconds")}
                               for name in methods},
                      "exdyna_over_floor": row["exdyna_over_floor"]})
         print(table_line(runs[-1]), file=sys.stderr, flush=True)
-  return {"settings": list(settings), "runs": runs}
+  result = {"settings": list(settings), "runs": runs}
+  (out or _common.RESULTS / "gpu_flags.json").write_text(json.dumps(result, indent=1) + "\n")
+  return result
 
 
 def table_line(run):

@@ -53,9 +53,7 @@ same gradients of a few leaves, and compares them (`_gpu_against_cpu`).
 
 ``--compare-xla-flags='|--xla_gpu_enable_command_buffer='`` times the target
 row instead under each ``XLA_FLAGS`` setting between the bars (empty: XLA's
-defaults), each in a process of its own, the settings in turn
-``--rounds`` times (`_gpu_flags`); it writes ``results/gpu_flags.json``
-unless ``--out`` says otherwise.
+defaults), in turn ``--rounds`` times (`_gpu_flags`; ``results/gpu_flags.json``).
 
 ``--chunk-scales 1,2,4`` also times ``exdyna`` at the target with the
 partition read in chunks that many times `_selection.chunk_length` (fewer
@@ -333,11 +331,9 @@ def main(argv=None):
     parser.error(f"--methods: {sorted(unknown)} unknown or missing; choose from {METHODS}, "
                  "with exdyna, topk_ef and floor")
   if args.compare_xla_flags is not None:
-    out = pathlib.Path(args.out) if args.out else _common.RESULTS / "gpu_flags.json"
-    result = _gpu_flags.compare(args.compare_xla_flags.split("|"), methods, args.rounds,
-                                ["--repeats", str(args.repeats), *(["--quick"] * args.quick)])
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    return _gpu_flags.compare(args.compare_xla_flags.split("|"), methods, args.rounds,
+                              ["--repeats", str(args.repeats), *(["--quick"] * args.quick)],
+                              out=args.out and pathlib.Path(args.out))
   grid = QUICK_GRID if args.quick else FULL_GRID
   target = (TARGET["elements"], TARGET["density"])
   grid = sorted(grid, key=lambda cell: cell != target)  # the target first
