@@ -293,10 +293,10 @@ def test_the_guarded_step_has_no_effects_so_jax_dispatches_it_on_its_fast_path(n
 
 
 def test_the_check_of_a_state_that_does_not_fit_comes_before_the_step():
-  """The pass that forms ``a = g + m`` waits on the check's conditional (on a
-  GPU the host reads its predicate back, and there the device idled while
-  the host dispatched the next step when the check came at the step's end).
-  The update stays the same on every worker: unbatched under ``vmap``."""
+  """The pass that forms ``a = g + m`` waits on the check's conditional, so a
+  state that does not fit is stopped before the step runs on it. The update
+  does not take the check's per-worker result: it stays the same on every
+  worker (unbatched under ``vmap``)."""
   tx = exdyna_jax.exdyna(axis_name="data", **OPTIONS["exdyna"])
   state = jax.vmap(lambda _: tx.init(params()), axis_name="data")(jnp.arange(NUM_WORKERS))
   grads = jax.tree.map(lambda g: jnp.asarray(g[:, 0]), clean_gradients(1))
