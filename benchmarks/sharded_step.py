@@ -8,7 +8,10 @@ default: each device sparsifies its own shards) and Auto ones (the
 sparsifier sees the whole gradient), dense and ExDyna at d = 0.01: the
 median blocked step over ``--steps`` steps, each configuration timed
 ``--repeats`` times interleaved; the compiled step's
-``memory_analysis()``; the residual a device holds; the indices the timed
+``memory_analysis()`` and its collectives (``collectives``: on JAX 0.10.2
+Shardy adds an all-gather of every input typed over the Explicit model axis
+at the data axis' ``shard_map`` boundary; GSPMD adds none, docs/sharded_models.md);
+the residual a device holds; the indices the timed
 steps sent over the ``k`` they asked for, summed over the shards.
 
 Run: python -m benchmarks.sharded_step [--repeats 3] [--steps 20]
@@ -29,6 +32,7 @@ from jax import P
 
 import exdyna_jax
 from benchmarks import _common
+from exdyna_jax import hlo
 
 D, H, BATCH, DENSITY = 512, 2048, 64, 0.01
 SPECS = {"w1": P(None, "model"), "w2": P("model", None), "b": P()}
@@ -85,7 +89,8 @@ def totals(config) -> dict:
 def described(config, before: dict) -> dict:
   """Memory, the residual, and the sent/k of the steps since ``before`` (`totals`)."""
   step, params, opt_state, batch, _ = config
-  memory = step.lower(params, opt_state, batch).compile().memory_analysis()
+  compiled = step.lower(params, opt_state, batch).compile()
+  memory = compiled.memory_analysis()
   residual = optax.tree.get(opt_state, "residual")
   after = totals(config)
   return {
@@ -93,6 +98,7 @@ def described(config, before: dict) -> dict:
                            / (after["target"] - before["target"]), 4),
       "argument_MiB": round(memory.argument_size_in_bytes / 2**20, 2),
       "temp_MiB": round(memory.temp_size_in_bytes / 2**20, 2),
+      "collectives": len(hlo.collectives(compiled.as_text(), jax.device_count())),
       "residual": None if residual is None else {
           "shape": list(residual.shape), "spec": str(residual.sharding.spec),
           "per_device_MiB": round(residual.addressable_shards[0].data.nbytes / 2**20, 2)},
