@@ -36,7 +36,8 @@ SKIPPED_STEP_SCOPE = "skipped_step"  # names, in the HLO, what only a skipped st
 
 
 class Screen(NamedTuple):
-  """What the guard decides a step on; the same on every worker.
+  """What the guard decides a step on; the same on every worker (``checked``
+  in value: its type is each worker's own).
 
   Attributes:
     nonfinite: int32 NaN and infinite gradient elements over all workers.
