@@ -246,15 +246,14 @@ def same_on_every_worker(value: jax.Array, axis_name: str, *, name: str) -> jax.
   """``value``, which every worker must hold alike; a step where they differ stops.
 
   One ``pmin`` and one ``pmax`` tell every worker the range; where it is not a
-  single value, the step raises on the host (`on_host`: a `ValueError` naming
-  ``name``, surfacing as a ``JaxRuntimeError`` under ``jit``).
+  single value, the step raises on the host (`on_host_if`: a `ValueError`
+  naming ``name``, surfacing as a ``JaxRuntimeError`` under ``jit``).
   """
   as_int = value.dtype == jnp.bool_
   low, high = (reduce(value.astype(jnp.int32) if as_int else value, axis_name)
                for reduce in (jax.lax.pmin, jax.lax.pmax))
   differ = jnp.any(low != high)
-  stopped = jax.lax.cond(differ, functools.partial(
-      on_host, functools.partial(_raise_if_differ, name=name), differ), lambda: jnp.int32(0))
+  stopped = on_host_if(differ, functools.partial(_raise_if_differ, name=name), differ)
   return jnp.where(stopped > 0, jnp.zeros_like(high), high).astype(value.dtype)
 
 
@@ -296,6 +295,18 @@ def on_host(callback: Callable[..., None], *args: jax.Array) -> jax.Array:
     return call(*args)
   return jax.shard_map(call, in_specs=P(), out_specs=P(), axis_names=automatic,
                        check_vma=False)(*args)
+
+
+def on_host_if(predicate: jax.Array, callback: Callable[..., None], *args: jax.Array
+               ) -> jax.Array:
+  """`on_host` in a conditional on ``predicate`` (the same on every worker); int32 0.
+
+  The host runs nothing on a step where ``predicate`` is false (on a GPU it
+  reads the predicate back). The caller keeps the 0 in a result, as for
+  `on_host`.
+  """
+  return jax.lax.cond(predicate, functools.partial(on_host, callback, *args),
+                      lambda: jnp.int32(0))
 
 
 def ring_all_gather_bytes(num_workers: int, message_bytes: int) -> int:

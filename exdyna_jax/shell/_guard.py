@@ -287,9 +287,8 @@ def stop_if_misfit(misfit: jax.Array, stats: _stats.SparsifierStats, layout: int
   """
   stop = functools.partial(raise_if_state_does_not_fit, num_workers=num_workers,
                            axis_name=axis_name, leaves=leaves)
-  return jax.lax.cond(misfit, functools.partial(
-      _collectives.on_host, stop, stats.num_workers, stats.layout, jnp.int32(layout)),
-      lambda: jnp.int32(0))
+  return _collectives.on_host_if(misfit, stop, stats.num_workers, stats.layout,
+                                 jnp.int32(layout))
 
 
 def guarded_stats(stats: _stats.SparsifierStats, ran: _stats.SparsifierStats,
