@@ -18,6 +18,12 @@ that many steps, its schedule stretched to match):
   Nesterov (0.7, 0.9);
 - ``local@H@D``: `local_steps` with ``exdyna(D)`` and the default outer
   step (rate 1); ``local@H@D@bf16``: bfloat16 values;
+- ``sparse_adamw_dense``: ``sparse_adamw(dense())``, the recipe with nothing
+  left out (Adam without momentum on the workers' mean);
+- ``sparse_adamw_oracle@D``: ``sparse_adamw`` whose exchange is a dense mean
+  followed by the ``D`` largest of it with error feedback on the mean
+  (`global_topk_feedback`): what the best selection of ``D`` could give,
+  with dense's bytes. A reference, not a method;
 - ``topk`` (or ``topk_steered``: ``topk(exact=False)``, ``cltk``, ``micro``)
   for ``exdyna`` in a name (``topk@D``, ``sparse_adamw_topk@D``,
   ``local_topk@H@D``): that method in the same role. Top-k's density is
@@ -45,8 +51,10 @@ import jax
 if __name__ == "__main__":
   jax.config.update("jax_num_cpu_devices", 8)
 
+import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.flatten_util import ravel_pytree
 
 import exdyna_jax
 from benchmarks import _common
@@ -54,7 +62,8 @@ from exdyna_jax.demo.language_model import language_model_task
 from exdyna_jax.demo.trainer import Task
 
 DEFAULT_VARIANTS = (
-    "ddp,exdyna@0.01,sparse_adamw@0.01,sparse_adamw_topk_steered@0.00125,exdyna@0.001,"
+    "ddp,sparse_adamw_dense,sparse_adamw_oracle@0.01,sparse_adamw_oracle@0.001,exdyna@0.01,"
+    "sparse_adamw@0.01,sparse_adamw_topk_steered@0.00125,exdyna@0.001,"
     "sparse_adamw@0.001,sparse_adamw_topk_steered@0.000125,diloco@10,diloco@30,local@10@0.25,"
     "local_topk@10@0.05,local@30@0.05,local@30@0.02@bf16,ddp:900,sparse_adamw@0.01:900,"
     "sparse_adamw_topk_steered@0.00125:900,diloco@10:900,local@10@0.25:900"
@@ -69,6 +78,26 @@ COMPRESSORS = {
     "micro": exdyna_jax.micro,
     "exdyna": exdyna_jax.exdyna,
 }
+
+
+def global_topk_feedback(density: float) -> optax.GradientTransformation:
+  """The ``density`` largest of the (already exchanged) update, the rest kept for later.
+
+  Error feedback on the workers' mean rather than on each worker's own
+  gradient: the selection no sparsifier can make without sending everything.
+  """
+
+  def update_fn(updates, residual, params=None):
+    del params
+    accumulated, unravel = ravel_pytree(
+        jax.tree.map(jnp.add, residual, updates))
+    k = max(1, round(density * accumulated.size))
+    threshold = jax.lax.top_k(jnp.abs(accumulated), k)[0][-1]
+    sent = jnp.where(jnp.abs(accumulated) >= threshold, accumulated, 0.0)
+    return unravel(sent), unravel(accumulated - sent)
+
+  return optax.GradientTransformation(lambda params: jax.tree.map(jnp.zeros_like, params),
+                                      update_fn)
 
 
 def parse_variant(spec: str, default_steps: int) -> tuple[str, list[str], int]:
@@ -101,6 +130,12 @@ def optimizer(kind: str, rest: list[str], steps: int, args: argparse.Namespace
     return optax.chain(exdyna_jax.dense(), adamw)
   if base == method:
     return optax.chain(compressor(rest[0]), adamw)
+  if kind == "sparse_adamw_dense":
+    return optax.chain(clip, exdyna_jax.sparse_adamw(exdyna_jax.dense(), lr,
+                                                     weight_decay=args.weight_decay))
+  if kind == "sparse_adamw_oracle":
+    oracle = optax.chain(exdyna_jax.dense(), global_topk_feedback(float(rest[0])))
+    return optax.chain(clip, exdyna_jax.sparse_adamw(oracle, lr, weight_decay=args.weight_decay))
   if base == "sparse_adamw":
     return optax.chain(clip, exdyna_jax.sparse_adamw(compressor(rest[0]), lr,
                                                      weight_decay=args.weight_decay))

@@ -60,8 +60,10 @@ DEFAULT_PARTS = tuple(part for part in PARTS
                       if part not in ("cluster", "language_model", "language_model_code"))
 
 
-# The second corpus: the baseline, per-step ExDyna both ways and Top-k, DiLoCo, local steps.
-CODE_CORPUS_VARIANTS = ("ddp,exdyna@0.01,sparse_adamw@0.01,sparse_adamw_topk_steered@0.00125,"
+# The second corpus: the baseline and the references, per-step ExDyna both ways and Top-k,
+# DiLoCo, local steps.
+CODE_CORPUS_VARIANTS = ("ddp,sparse_adamw_dense,sparse_adamw_oracle@0.01,exdyna@0.01,"
+                        "sparse_adamw@0.01,sparse_adamw_topk_steered@0.00125,"
                         "diloco@10,local@10@0.25,local_topk@10@0.05,ddp:900,"
                         "sparse_adamw@0.01:900,sparse_adamw_topk_steered@0.00125:900")
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from benchmarks import language_model
@@ -47,3 +50,20 @@ def test_append_keeps_runs_made_with_the_same_settings_only(tmp_path):
     ("topk", "topk", "topk")])
 def test_a_variant_names_its_compressor_by_suffix(kind, method, role):
   assert language_model.compressor_of(kind) == (method, role)
+
+
+def test_the_oracle_reference_sends_the_largest_of_the_mean_and_keeps_the_rest():
+  rng = np.random.default_rng(0)
+  updates = [{"a": rng.normal(size=(6, 5)), "b": rng.normal(size=10)} for _ in range(3)]
+  tx = language_model.global_topk_feedback(0.1)  # k = 4 of 40
+  state = tx.init(jax.tree.map(jnp.asarray, updates[0]))
+  residual = np.zeros(40)
+  for update in updates:
+    sent, state = tx.update(jax.tree.map(jnp.asarray, update), state)
+    accumulated = residual + np.concatenate([update["a"].ravel(), update["b"]])
+    largest = np.argsort(-np.abs(accumulated))[:4]
+    expected = np.zeros(40)
+    expected[largest] = accumulated[largest]
+    residual = accumulated - expected
+    np.testing.assert_allclose(np.concatenate([sent["a"].ravel(), sent["b"]]), expected,
+                               rtol=1e-6)
