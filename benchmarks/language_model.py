@@ -85,12 +85,18 @@ def global_topk_feedback(density: float) -> optax.GradientTransformation:
 
   Error feedback on the workers' mean rather than on each worker's own
   gradient: the selection no sparsifier can make without sending everything.
+
+  Args:
+    density: the share of the elements released each step.
+
+  Returns:
+    A transformation to chain after ``dense()``; its state is the residual,
+    shaped like the updates.
   """
 
   def update_fn(updates, residual, params=None):
     del params
-    accumulated, unravel = ravel_pytree(
-        jax.tree.map(jnp.add, residual, updates))
+    accumulated, unravel = ravel_pytree(jax.tree.map(jnp.add, residual, updates))
     k = max(1, round(density * accumulated.size))
     threshold = jax.lax.top_k(jnp.abs(accumulated), k)[0][-1]
     sent = jnp.where(jnp.abs(accumulated) >= threshold, accumulated, 0.0)
