@@ -136,15 +136,14 @@ def optimizer(kind: str, rest: list[str], steps: int, args: argparse.Namespace
     return optax.chain(exdyna_jax.dense(), adamw)
   if base == method:
     return optax.chain(compressor(rest[0]), adamw)
-  if kind == "sparse_adamw_dense":
-    return optax.chain(clip, exdyna_jax.sparse_adamw(exdyna_jax.dense(), lr,
-                                                     weight_decay=args.weight_decay))
-  if kind == "sparse_adamw_oracle":
-    oracle = optax.chain(exdyna_jax.dense(), global_topk_feedback(float(rest[0])))
-    return optax.chain(clip, exdyna_jax.sparse_adamw(oracle, lr, weight_decay=args.weight_decay))
-  if base == "sparse_adamw":
-    return optax.chain(clip, exdyna_jax.sparse_adamw(compressor(rest[0]), lr,
-                                                     weight_decay=args.weight_decay))
+  if base in ("sparse_adamw", "sparse_adamw_dense", "sparse_adamw_oracle"):
+    if kind == "sparse_adamw_dense":
+      exchange = exdyna_jax.dense()
+    elif kind == "sparse_adamw_oracle":
+      exchange = optax.chain(exdyna_jax.dense(), global_topk_feedback(float(rest[0])))
+    else:
+      exchange = compressor(rest[0])
+    return optax.chain(clip, exdyna_jax.sparse_adamw(exchange, lr, weight_decay=args.weight_decay))
   if base == "diloco":
     return exdyna_jax.local_steps(
         adamw, sync_every=int(rest[0]), compressor=exdyna_jax.dense(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import jax
@@ -67,3 +68,22 @@ def test_the_oracle_reference_sends_the_largest_of_the_mean_and_keeps_the_rest()
     residual = accumulated - expected
     np.testing.assert_allclose(np.concatenate([sent["a"].ravel(), sent["b"]]), expected,
                                rtol=1e-6)
+
+
+def test_the_oracle_of_every_element_is_the_recipe_sending_everything():
+  args = argparse.Namespace(learning_rate=1e-2, warmup=1, clip=1.0, weight_decay=0.01)
+  grads = jax.random.normal(jax.random.key(0), (8, 64))
+  params = jnp.ones(64)
+
+  def run(kind, rest):
+    tx = language_model.optimizer(kind, rest, 4, args)
+
+    def step(g):  # per worker
+      return tx.update(g, tx.init(params), params)[0]
+
+    return jax.vmap(step, axis_name="data")(grads)
+
+  np.testing.assert_allclose(run("sparse_adamw_oracle", ["1.0"]),
+                             run("sparse_adamw_dense", []), rtol=1e-6)
+  with pytest.raises(ValueError, match="unknown variant"):
+    language_model.optimizer("sparse_adamw_typo", [], 4, args)
