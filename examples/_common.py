@@ -101,7 +101,8 @@ def example_parser(description: str, default_out: str) -> argparse.ArgumentParse
   parser.add_argument("--method", default="exdyna", help="compared with dense")
   parser.add_argument("--batch-per-worker", type=int, default=32)
   parser.add_argument("--learning-rate", type=float, default=0.1)
-  parser.add_argument("--momentum", type=float, default=0.0)
+  parser.add_argument("--momentum", type=float, default=None,
+                      help="none by default: optax.sgd(lr, momentum=0.0) still keeps a trace")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(default_out))
   return parser

@@ -326,10 +326,14 @@ def test_a_stateful_transform_before_the_sparsifier_is_warned_about_by_data_para
         lambda lr: optax.chain(sparsifier(), optax.sgd(lr, 0.9)))(0.1),
     lambda: exdyna_jax.local_steps(optax.sgd(0.1), sync_every=4, compressor=sparsifier(),
                                    outer=optax.sgd(0.7, momentum=0.9, nesterov=True)),
-], ids=["adam", "multi_steps_momentum", "inject_hyperparams_momentum", "local_steps_outer"])
+    lambda: optax.chain(sparsifier(), optax.sgd(0.1, momentum=0.0)),
+], ids=["adam", "multi_steps_momentum", "inject_hyperparams_momentum", "local_steps_outer",
+        "momentum_zero"])
 def test_momentum_or_adam_after_a_sparsifier_is_warned_about_by_data_parallel(tx):
-  """They get the bursts error feedback releases; the warning names what to use instead."""
-  with pytest.warns(UserWarning, match=r"follows a sparsifier.*sparse_adamw.*1 / \(1 - momentum\)"):
+  """They get the bursts error feedback releases; the warning names what to use instead,
+  and that ``momentum=0.0`` keeps a trace (its state cannot tell 0 from 0.9)."""
+  with pytest.warns(UserWarning, match=r"follows a sparsifier.*sparse_adamw.*1 / \(1 - momentum\)"
+                    r".*momentum=0\.0\) keeps a trace too: pass momentum=None"):
     exdyna_jax.data_parallel(tx(), harness.mesh_of(NUM_WORKERS)).init(params())
 
 

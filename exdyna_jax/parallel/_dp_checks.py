@@ -371,8 +371,9 @@ def warn_if_moments_after(opt_state: Any) -> None:
           "exact=False) on n workers; for momentum SGD, drop the momentum and scale the "
           "learning rate by 1 / (1 - momentum): chain(sparsifier, optax.sgd(lr / (1 - "
           "momentum))), the residual carrying the momentum (docs/usage.md, 'Momentum and "
-          "Adam with a sparsifier'). Under local_steps with a sparse compressor, keep the "
-          "default outer=optax.sgd(1.0).",
+          "Adam with a sparsifier'). optax.sgd(lr, momentum=0.0) keeps a trace too: pass "
+          "momentum=None. Under local_steps with a sparse compressor, keep the default "
+          "outer=optax.sgd(1.0).",
           UserWarning,
           stacklevel=3,
       )
