@@ -9,7 +9,8 @@ records its test loss (nats per byte) against tokens, the seconds of its
 steps, and the bytes each worker sent (the stats' ring-collective count).
 
 Variants (``--variants``, comma-separated; ``:STEPS`` after one runs it
-that many steps, its schedule stretched to match):
+that many steps, its schedule stretched to match; ``@FxLR`` before that
+scales its peak rate by ``F``, e.g. ``sparse_adamw_topk_steered@0.00125@2xlr``):
 
 - ``ddp``: dense all-reduce, ``chain(dense(), clip, adamw)``;
 - ``exdyna@D``: per-step ExDyna then AdamW, ``chain(exdyna(D), clip, adamw)``;
@@ -64,9 +65,11 @@ from exdyna_jax.demo.trainer import Task
 DEFAULT_VARIANTS = (
     "ddp,sparse_adamw_dense,sparse_adamw_oracle@0.01,sparse_adamw_oracle@0.001,exdyna@0.01,"
     "sparse_adamw@0.01,sparse_adamw_topk_steered@0.00125,exdyna@0.001,"
-    "sparse_adamw@0.001,sparse_adamw_topk_steered@0.000125,diloco@10,diloco@30,local@10@0.25,"
+    "sparse_adamw@0.001,sparse_adamw_topk_steered@0.000125,sparse_adamw_topk_steered@0.00125@2xlr,"
+    "diloco@10,diloco@30,local@10@0.25,"
     "local_topk@10@0.05,local@30@0.05,local@30@0.02@bf16,ddp:900,sparse_adamw@0.01:900,"
-    "sparse_adamw_topk_steered@0.00125:900,diloco@10:900,local@10@0.25:900"
+    "sparse_adamw_topk_steered@0.00125:900,sparse_adamw_topk_steered@0.00125@2xlr:900,"
+    "diloco@10:900,local@10@0.25:900"
 )
 
 
@@ -106,11 +109,13 @@ def global_topk_feedback(density: float) -> optax.GradientTransformation:
                                       update_fn)
 
 
-def parse_variant(spec: str, default_steps: int) -> tuple[str, list[str], int]:
-  """``"local@30@0.05:900"`` -> ``("local", ["30", "0.05"], 900)``."""
+def parse_variant(spec: str, default_steps: int) -> tuple[str, list[str], int, float]:
+  """``"local@30@0.05@2xlr:900"`` -> ``("local", ["30", "0.05"], 900, 2.0)``."""
   name, _, steps = spec.partition(":")
   kind, *rest = name.split("@")
-  return kind, rest, int(steps) if steps else default_steps
+  scales = [float(arg.removesuffix("xlr")) for arg in rest if arg.endswith("xlr")]
+  rest = [arg for arg in rest if not arg.endswith("xlr")]
+  return kind, rest, int(steps) if steps else default_steps, scales[-1] if scales else 1.0
 
 
 def compressor_of(kind: str) -> tuple[str, str]:
@@ -120,11 +125,11 @@ def compressor_of(kind: str) -> tuple[str, str]:
   return method, kind.removesuffix(f"_{method}")
 
 
-def optimizer(kind: str, rest: list[str], steps: int, args: argparse.Namespace
-              ) -> optax.GradientTransformation:
+def optimizer(kind: str, rest: list[str], steps: int, args: argparse.Namespace,
+              lr_scale: float = 1.0) -> optax.GradientTransformation:
   """The optimizer a variant names (see the module docstring)."""
-  lr = optax.warmup_cosine_decay_schedule(0.0, args.learning_rate, args.warmup, steps,
-                                          args.learning_rate / 10)
+  peak = args.learning_rate * lr_scale
+  lr = optax.warmup_cosine_decay_schedule(0.0, peak, args.warmup, steps, peak / 10)
   clip = optax.clip_by_global_norm(args.clip)
   adamw = optax.chain(clip, optax.adamw(lr, weight_decay=args.weight_decay))
   method, base = compressor_of(kind)
@@ -158,9 +163,9 @@ def optimizer(kind: str, rest: list[str], steps: int, args: argparse.Namespace
 def run_variant(spec: str, args: argparse.Namespace, task: Task, mesh: jax.sharding.Mesh
                 ) -> dict:
   """Trains one variant from the same initial model on the same batches."""
-  kind, rest, steps = parse_variant(spec, args.steps)
+  kind, rest, steps, lr_scale = parse_variant(spec, args.steps)
   params = task.init_params(jax.random.key(args.seed))
-  tx = optimizer(kind, rest, steps, args)
+  tx = optimizer(kind, rest, steps, args, lr_scale)
   dp = exdyna_jax.data_parallel(tx, mesh)
 
   @dp.step

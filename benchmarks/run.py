@@ -65,7 +65,9 @@ DEFAULT_PARTS = tuple(part for part in PARTS
 CODE_CORPUS_VARIANTS = ("ddp,sparse_adamw_dense,sparse_adamw_oracle@0.01,exdyna@0.01,"
                         "sparse_adamw@0.01,sparse_adamw_topk_steered@0.00125,"
                         "diloco@10,local@10@0.25,local_topk@10@0.05,ddp:900,"
-                        "sparse_adamw@0.01:900,sparse_adamw_topk_steered@0.00125:900")
+                        "sparse_adamw@0.01:900,sparse_adamw_topk_steered@0.00125:900,"
+                        "sparse_adamw_topk_steered@0.00125@2xlr,"
+                        "sparse_adamw_topk_steered@0.00125@2xlr:900")
 
 
 def commands(results: pathlib.Path, quick: bool, cost_budget: float) -> dict[str, list[str]]:

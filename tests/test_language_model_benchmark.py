@@ -87,3 +87,23 @@ def test_the_oracle_of_every_element_is_the_recipe_sending_everything():
                              run("sparse_adamw_dense", []), rtol=1e-6)
   with pytest.raises(ValueError, match="unknown variant"):
     language_model.optimizer("sparse_adamw_typo", [], 4, args)
+
+
+def test_a_variant_may_scale_its_peak_rate():
+  assert language_model.parse_variant("local@30@0.05@2xlr:900", 300) == (
+      "local", ["30", "0.05"], 900, 2.0)
+  assert language_model.parse_variant("ddp", 300) == ("ddp", [], 300, 1.0)
+  args = argparse.Namespace(learning_rate=1e-2, warmup=1, clip=1.0, weight_decay=0.01)
+  grads = jax.random.normal(jax.random.key(0), (8, 64))
+  params = jnp.ones(64)
+
+  def second_update(lr_scale):  # the first is the warm-up's, at rate 0
+    tx = language_model.optimizer("sparse_adamw_dense", [], 4, args, lr_scale)
+
+    def steps(g):  # per worker
+      _, state = tx.update(g, tx.init(params), params)
+      return tx.update(g, state, params)[0]
+
+    return jax.vmap(steps, axis_name="data")(grads)
+
+  np.testing.assert_allclose(second_update(2.0), 2 * second_update(1.0), rtol=1e-6)
