@@ -9,7 +9,7 @@ records its test loss (nats per byte) against tokens, the seconds of its
 steps, and the bytes each worker sent (the stats' ring-collective count).
 
 Variants (``--variants``, comma-separated; ``:STEPS`` after one runs it
-that many steps, its schedule stretched to match; ``@FxLR`` before that
+that many steps, its schedule stretched to match; ``@Fxlr`` before that
 scales its peak rate by ``F``, e.g. ``sparse_adamw_topk_steered@0.00125@2xlr``):
 
 - ``ddp``: dense all-reduce, ``chain(dense(), clip, adamw)``;
