@@ -70,40 +70,35 @@ def test_the_oracle_reference_sends_the_largest_of_the_mean_and_keeps_the_rest()
                                rtol=1e-6)
 
 
-def test_the_oracle_of_every_element_is_the_recipe_sending_everything():
-  args = argparse.Namespace(learning_rate=1e-2, warmup=1, clip=1.0, weight_decay=0.01)
+ARGS = argparse.Namespace(learning_rate=1e-2, warmup=1, clip=1.0, weight_decay=0.01)
+
+
+def last_update(kind, rest, steps=1, lr_scale=1.0):
+  """The variant's update at its ``steps``-th step, 8 workers under ``vmap``, one gradient each."""
+  tx = language_model.optimizer(kind, rest, 4, ARGS, lr_scale)
   grads = jax.random.normal(jax.random.key(0), (8, 64))
   params = jnp.ones(64)
 
-  def run(kind, rest):
-    tx = language_model.optimizer(kind, rest, 4, args)
+  def run(g):  # per worker
+    state = tx.init(params)
+    for _ in range(steps):
+      update, state = tx.update(g, state, params)
+    return update
 
-    def step(g):  # per worker
-      return tx.update(g, tx.init(params), params)[0]
+  return jax.vmap(run, axis_name="data")(grads)
 
-    return jax.vmap(step, axis_name="data")(grads)
 
-  np.testing.assert_allclose(run("sparse_adamw_oracle", ["1.0"]),
-                             run("sparse_adamw_dense", []), rtol=1e-6)
+def test_the_oracle_of_every_element_is_the_recipe_sending_everything():
+  np.testing.assert_allclose(last_update("sparse_adamw_oracle", ["1.0"]),
+                             last_update("sparse_adamw_dense", []), rtol=1e-6)
   with pytest.raises(ValueError, match="unknown variant"):
-    language_model.optimizer("sparse_adamw_typo", [], 4, args)
+    language_model.optimizer("sparse_adamw_typo", [], 4, ARGS)
 
 
 def test_a_variant_may_scale_its_peak_rate():
   assert language_model.parse_variant("local@30@0.05@2xlr:900", 300) == (
       "local", ["30", "0.05"], 900, 2.0)
   assert language_model.parse_variant("ddp", 300) == ("ddp", [], 300, 1.0)
-  args = argparse.Namespace(learning_rate=1e-2, warmup=1, clip=1.0, weight_decay=0.01)
-  grads = jax.random.normal(jax.random.key(0), (8, 64))
-  params = jnp.ones(64)
-
-  def second_update(lr_scale):  # the first is the warm-up's, at rate 0
-    tx = language_model.optimizer("sparse_adamw_dense", [], 4, args, lr_scale)
-
-    def steps(g):  # per worker
-      _, state = tx.update(g, tx.init(params), params)
-      return tx.update(g, state, params)[0]
-
-    return jax.vmap(steps, axis_name="data")(grads)
-
-  np.testing.assert_allclose(second_update(2.0), 2 * second_update(1.0), rtol=1e-6)
+  # The second step's: the first is the warm-up's, at rate 0.
+  np.testing.assert_allclose(last_update("sparse_adamw_dense", [], steps=2, lr_scale=2.0),
+                             2 * last_update("sparse_adamw_dense", [], steps=2), rtol=1e-6)
