@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sgd, or adamw (warm-up-cosine, clipping; after a sparsifier as "
                     "exdyna_jax.sparse_adamw) (default: sgd; adamw for the lm tasks)")
   demo.add_argument("--learning-rate", type=float, default=None,
-                    help="learning rate, AdamW's peak (default: 0.3; 3e-3 for the lm tasks)")
+                    help="learning rate, AdamW's peak (default: 0.3; 6e-3 for the lm tasks, "
+                    f"{TOPK_UNION} at twice it, as docs/usage.md advises)")
   demo.add_argument("--sync-every", type=_int_at_least(1), default=1, metavar="H",
                     help="local steps: every method but dense takes H steps alone and "
                     "exchanges the pseudo-gradient at --density (exdyna_jax.local_steps; "
@@ -205,7 +206,7 @@ def _use_cpu_devices(count: int) -> None:
 TASK_DEFAULTS = types.MappingProxyType({
     "digits": {"optimizer": "sgd", "learning_rate": 0.3, "batch_per_worker": 32,
                "warmup_steps": 0},
-    "lm": {"optimizer": "adamw", "learning_rate": 3e-3, "batch_per_worker": 8,
+    "lm": {"optimizer": "adamw", "learning_rate": 6e-3, "batch_per_worker": 8,
            "warmup_steps": 30},
 })
 

@@ -192,7 +192,7 @@ def test_plots_show_each_partitions_share_and_the_bytes_against_dense():
 def test_the_lm_tasks_default_to_adamw_and_sync_every_reaches_the_config():
   args = _cli.build_parser().parse_args(["demo", "--task", "lm", "--sync-every", "30"])
   config = _cli._demo_config(args, task="lm", steps=300, eval_every=25)
-  assert (config.optimizer, config.learning_rate, config.batch_per_worker) == ("adamw", 3e-3, 8)
+  assert (config.optimizer, config.learning_rate, config.batch_per_worker) == ("adamw", 6e-3, 8)
   assert config.sync_every == 30 and config.steps == 300
   args = _cli.build_parser().parse_args(["demo", "--learning-rate", "0.1"])
   config = _cli._demo_config(args, task="digits", steps=500, eval_every=25)
@@ -242,6 +242,37 @@ def test_topk_union_shares_the_density_among_the_workers_and_is_the_lm_tasks_def
   # The thresholds start low and reach their counts within two steps.
   assert all(0.7 < r["sent_over_k"] <= 1.15 for r in run.records[2:]), run.records
   assert trainer.per_worker({0: 0.25, 10: 0.04}, 4) == {0: 0.0625, 10: 0.01}
+
+
+def test_under_adamw_topk_union_is_the_recipe_at_twice_the_peak_rate():
+  """docs/usage.md's advice: the AdamW recipe at twice dense's peak; the others at the peak."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+
+  import exdyna_jax
+  from exdyna_jax.demo import trainer
+
+  config = trainer.TrainConfig(steps=10, density=0.5, learning_rate=1e-2, warmup_steps=2,
+                               optimizer="adamw")
+  peak = 2 * config.learning_rate
+  recipe = optax.chain(optax.clip_by_global_norm(1.0), exdyna_jax.sparse_adamw(
+      exdyna_jax.topk(config.density / 8, exact=False, axis_name=trainer.AXIS),
+      optax.warmup_cosine_decay_schedule(0.0, peak, 2, 10, peak / 10), weight_decay=0.01))
+  grads, params = jax.random.normal(jax.random.key(0), (8, 64)), jnp.ones(64)
+
+  def second_update(tx):  # the first is the warm-up's, at rate 0
+    def run(g):
+      state = tx.init(params)
+      for _ in range(2):
+        update, state = tx.update(g, state, params)
+      return update
+    return jax.vmap(run, axis_name=trainer.AXIS)(grads)
+
+  np.testing.assert_allclose(second_update(trainer.optimizer_for("topk_union", config, 8)),
+                             second_update(recipe), rtol=1e-6)
+  assert np.abs(second_update(recipe)).max() > 0
 
 
 def test_a_loss_is_reached_at_or_below_denses_and_an_accuracy_at_or_above():
