@@ -4,10 +4,11 @@
 `exdyna_jax.demo.cluster_worker` as 4 JAX processes (``exdyna_jax.launch``),
 each in a network namespace of its own behind a link shaped to 1 Gb/s both
 ways. Dense trains ``config.steps`` steps; every other method trains for as
-many wall-clock seconds. The table says when each method first reached
-dense's final score (test accuracy; test loss for the ``lm`` tasks),
-beside the density it sent and its bytes; the plot draws the score against
-seconds.
+many wall-clock seconds, its learning-rate schedule spanning the steps it
+timed to fit them (as a user given those seconds would set it). The table
+says when each method first reached dense's final score (test accuracy;
+test loss for the ``lm`` tasks), beside the density it sent and its bytes;
+the plot draws the score against seconds.
 
 From Python (as root, or in an unprivileged user namespace)::
 
@@ -260,7 +261,7 @@ def run_cluster_demo(
   dense_steps = next(run["steps"] for run in runs if run["variant"] == "dense")
   header = (f"{task}: {runs[0]['num_elements']:,} parameters, {processes} processes, links "
             f"{link_rate}, density {config.density:g};\n{dense_steps} steps of dense, the others "
-            "as many seconds")
+            "as many seconds (their schedules over the steps that fit)")
   told = told_network(config.network, runs[0].get("network"))
   header += f";\n{told}" if told else ""
   legend = (f"s to dense's = wall-clock seconds to dense's final {score_name(runs[0])}; "

@@ -9,7 +9,8 @@ process behind its own shaped link)::
 Every process trains the task's model with the donated
 ``data_parallel(tx, mesh).step`` a user runs, one variant after the other.
 ``dense`` trains ``config.steps`` steps and its time (evaluation excluded)
-is every other variant's budget, so the scores compare at equal seconds. A
+is every other variant's budget, so the scores compare at equal seconds;
+each plans its learning-rate schedule over the steps that fit it. A
 variant ``<method>_warmup`` starts with a DGC density warm-up
 (``config.density_warmup`` steps per level, 25 by default). Process 0 prints
 one JSON line per variant (its curve of ``(seconds, step, test_accuracy,
@@ -24,6 +25,8 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -70,17 +73,19 @@ def variant_config(variant: str, config: TrainConfig) -> tuple[str, TrainConfig]
       config, density_warmup=config.density_warmup or DEFAULT_DENSITY_WARMUP)
 
 
-def train_timed(variant: str, task: Task, config: TrainConfig, mesh: jax.sharding.Mesh, *,
-                budget: float | None) -> dict:
-  """Trains ``config.steps`` steps (``budget`` None) or ``budget`` seconds; its curve."""
-  method, config = variant_config(variant, config)
+PROBE_STEPS = 3
+"""Steps timed (on copies, off the clock) to plan how many fit a variant's budget."""
+
+
+def compiled_step(method: str, task: Task, config: TrainConfig, mesh: jax.sharding.Mesh,
+                  params: Any, probe_batches: Callable[[], Any]):
+  """``(dp, train_step, step_seconds)``: ``method``'s donated step, compiled, and timed.
+
+  The step runs `PROBE_STEPS` + 1 times on copies of ``params`` and a fresh
+  state (the first compiles it); ``step_seconds`` is the median of the rest.
+  """
   tx = optimizer_for(method, config, mesh.size)
   dp = exdyna_jax.data_parallel(tx, mesh, axis_name=AXIS)
-  replicated = jax.sharding.NamedSharding(mesh, jax.P())
-  sharded = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
-  initial = jax.tree.map(np.asarray, task.init_params(jax.random.key(config.seed)))
-  params = jax.tree.map(lambda v: put(v, replicated), initial)
-  opt_state = dp.init(params)
 
   @dp.step
   def train_step(params, opt_state, batch):
@@ -88,14 +93,42 @@ def train_timed(variant: str, task: Task, config: TrainConfig, mesh: jax.shardin
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
+  copies, seconds = (jax.tree.map(jnp.copy, params), dp.init(params)), []
+  for _ in range(PROBE_STEPS + 1):
+    start = time.perf_counter()
+    copies = jax.block_until_ready(train_step(*copies, probe_batches()))
+    seconds.append(time.perf_counter() - start)
+  return dp, train_step, float(np.median(seconds[1:]))
+
+
+def train_timed(variant: str, task: Task, config: TrainConfig, mesh: jax.sharding.Mesh, *,
+                budget: float | None) -> dict:
+  """Trains ``config.steps`` steps (``budget`` None) or ``budget`` seconds; its curve.
+
+  Under a budget the learning-rate schedule spans the steps that fit it, as
+  a user given those seconds would set it: ``budget`` over the step's
+  timed seconds (at least ``config.steps``).
+  """
+  method, config = variant_config(variant, config)
+  replicated = jax.sharding.NamedSharding(mesh, jax.P())
+  sharded = jax.sharding.NamedSharding(mesh, jax.P(AXIS))
+  initial = jax.tree.map(np.asarray, task.init_params(jax.random.key(config.seed)))
+  params = jax.tree.map(lambda v: put(v, replicated), initial)
+
   def batch(rng):
     inputs, targets = task.sample_batch(rng, config.batch_per_worker * jax.device_count())
     return put(inputs, sharded), put(targets.astype(np.int32), sharded)
 
+  probe_rng = np.random.default_rng(config.seed + 1)
+  dp, train_step, probe_seconds = compiled_step(method, task, config, mesh, params,
+                                                lambda: batch(probe_rng))
+  # The slowest process's time: every process plans the same schedule.
+  if budget is not None and (planned := int(budget / barrier(probe_seconds))) > config.steps:
+    config = dataclasses.replace(config, steps=planned)
+    dp, train_step, _ = compiled_step(method, task, config, mesh, params,
+                                      lambda: batch(probe_rng))
+  opt_state = dp.init(params)
   evaluate = jax.jit(task.evaluate)
-  # Compile off the clock: one step on copies (donated), thrown away.
-  copies = jax.tree.map(jnp.copy, (params, opt_state))
-  jax.block_until_ready(train_step(*copies, batch(np.random.default_rng(config.seed + 1))))
   metric = next(iter(evaluate(params)))  # the task's headline: test accuracy, test loss
   rng = np.random.default_rng(config.seed)  # the same batches on every process and variant
   curve, step_seconds, seconds, step, done = [], [], 0.0, 0, False
@@ -120,7 +153,8 @@ def train_timed(variant: str, task: Task, config: TrainConfig, mesh: jax.shardin
   totals = exdyna_jax.read_totals(jax.tree.map(
       lambda x: np.asarray(x.addressable_shards[0].data), dp.stats(opt_state)))
   return {"variant": variant, "curve": curve, "steps": step, "seconds": seconds,
-          "metric": metric, "higher_is_better": task.higher_is_better,
+          "planned_steps": config.steps, "metric": metric,
+          "higher_is_better": task.higher_is_better,
           "median_step_ms": round(1e3 * float(np.median(step_seconds)), 2),
           "num_elements": sum(v.size for v in jax.tree.leaves(initial)),
           "bytes_sent": totals["bytes_sent"] // step}
