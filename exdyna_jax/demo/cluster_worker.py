@@ -81,8 +81,9 @@ def compiled_step(method: str, task: Task, config: TrainConfig, mesh: jax.shardi
                   params: Any, probe_batches: Callable[[], Any]):
   """``(dp, train_step, step_seconds)``: ``method``'s donated step, compiled, and timed.
 
-  The step runs `PROBE_STEPS` + 1 times on copies of ``params`` and a fresh
-  state (the first compiles it); ``step_seconds`` is the median of the rest.
+  Off the clock: the step runs `PROBE_STEPS` + 1 times on copies of
+  ``params`` and a fresh state, thrown away (the first run compiles it);
+  ``step_seconds`` is the median of the rest.
   """
   tx = optimizer_for(method, config, mesh.size)
   dp = exdyna_jax.data_parallel(tx, mesh, axis_name=AXIS)
@@ -93,7 +94,8 @@ def compiled_step(method: str, task: Task, config: TrainConfig, mesh: jax.shardi
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  copies, seconds = (jax.tree.map(jnp.copy, params), dp.init(params)), []
+  copies = (jax.tree.map(jnp.copy, params), dp.init(params))
+  seconds = []
   for _ in range(PROBE_STEPS + 1):
     start = time.perf_counter()
     copies = jax.block_until_ready(train_step(*copies, probe_batches()))
