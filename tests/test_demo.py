@@ -12,6 +12,7 @@ import pytest
 
 from exdyna_jax import _cli, hlo
 from exdyna_jax.demo import report
+from tests import harness
 
 pytestmark = pytest.mark.slow  # the tools end to end: `-m "not slow"` leaves them out
 
@@ -260,15 +261,10 @@ def test_under_adamw_topk_union_is_the_recipe_at_twice_the_peak_rate():
   recipe = optax.chain(optax.clip_by_global_norm(1.0), exdyna_jax.sparse_adamw(
       exdyna_jax.topk(config.density / 8, exact=False, axis_name=trainer.AXIS),
       optax.warmup_cosine_decay_schedule(0.0, peak, 2, 10, peak / 10), weight_decay=0.01))
-  grads, params = jax.random.normal(jax.random.key(0), (8, 64)), jnp.ones(64)
+  grads = jax.random.normal(jax.random.key(0), (8, 1, 64)).repeat(2, axis=1)
 
   def second_update(tx):  # the first is the warm-up's, at rate 0
-    def run(g):
-      state = tx.init(params)
-      for _ in range(2):
-        update, state = tx.update(g, state, params)
-      return update
-    return jax.vmap(run, axis_name=trainer.AXIS)(grads)
+    return harness.run_vmap(tx, jnp.ones(64), grads)[0][:, 1]
 
   np.testing.assert_allclose(second_update(trainer.optimizer_for("topk_union", config, 8)),
                              second_update(recipe), rtol=1e-6)

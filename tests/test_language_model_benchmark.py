@@ -13,6 +13,7 @@ import pytest
 from benchmarks import language_model
 from benchmarks.report import _format
 from benchmarks.report import language_model as section
+from tests import harness
 
 pytestmark = pytest.mark.slow  # the tools end to end: `-m "not slow"` leaves them out
 
@@ -76,16 +77,8 @@ ARGS = argparse.Namespace(learning_rate=1e-2, warmup=1, clip=1.0, weight_decay=0
 def last_update(kind, rest, steps=1, lr_scale=1.0):
   """The variant's update at its ``steps``-th step, 8 workers under ``vmap``, one gradient each."""
   tx = language_model.optimizer(kind, rest, 4, ARGS, lr_scale)
-  grads = jax.random.normal(jax.random.key(0), (8, 64))
-  params = jnp.ones(64)
-
-  def run(g):  # per worker
-    state = tx.init(params)
-    for _ in range(steps):
-      update, state = tx.update(g, state, params)
-    return update
-
-  return jax.vmap(run, axis_name="data")(grads)
+  grads = jax.random.normal(jax.random.key(0), (8, 1, 64)).repeat(steps, axis=1)
+  return harness.run_vmap(tx, jnp.ones(64), grads)[0][:, -1]
 
 
 def test_the_oracle_of_every_element_is_the_recipe_sending_everything():
