@@ -207,8 +207,9 @@ TASK_DEFAULTS = types.MappingProxyType({
     "digits": {"optimizer": "sgd", "batch_per_worker": 32, "warmup_steps": 0},
     "lm": {"optimizer": "adamw", "batch_per_worker": 8, "warmup_steps": 30},
 })
-# Dense's best peak rate of each task and optimizer (AdamW's near dense's best on the
-# digits, where 1e-3 to 3e-2 train alike; SGD's on the text diverges at 1.0).
+# The learning rate (AdamW's peak) of each task and optimizer: dense's best of those tried
+# (AdamW on the digits trains alike from 1e-3 to 3e-2; SGD on the text did worse at 1.0,
+# and ExDyna diverged there).
 LEARNING_RATES = types.MappingProxyType({
     ("digits", "sgd"): 0.3, ("digits", "adamw"): 3e-3,
     ("lm", "sgd"): 0.3, ("lm", "adamw"): 6e-3,
