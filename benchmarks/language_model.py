@@ -18,14 +18,15 @@ scales its peak rate by ``F``, e.g. ``sparse_adamw_topk_steered@0.00125@2xlr``):
 - ``diloco@H``: `local_steps` of ``chain(clip, adamw)``, ``dense()``, outer
   Nesterov (0.7, 0.9);
 - ``local@H@D``: `local_steps` with ``exdyna(D)`` and the default outer
-  step (rate 1); ``local@H@D@bf16``: bfloat16 values;
+  step (rate 1); ``local@H@D@bf16``: bfloat16 values (with
+  ``chunked_topk``, ``@8``, ``@4``, ``@2``: values in that many bits);
 - ``sparse_adamw_dense``: ``sparse_adamw(dense())``, the recipe with nothing
   left out (Adam without momentum on the workers' mean);
 - ``sparse_adamw_oracle@D``: ``sparse_adamw`` whose exchange is a dense mean
   followed by the ``D`` largest of it with error feedback on the mean
   (`global_topk_feedback`): what the best selection of ``D`` could give,
   with dense's bytes. A reference, not a method;
-- ``topk`` (or ``topk_steered``: ``topk(exact=False)``, ``cltk``, ``micro``)
+- ``topk`` (or ``topk_steered``: ``topk(exact=False)``, ``chunked_topk``, ``cltk``, ``micro``)
   for ``exdyna`` in a name (``topk@D``, ``sparse_adamw_topk@D``,
   ``local_topk@H@D``): that method in the same role. Top-k's density is
   each worker's: ``topk@0.00125`` sends the union of 8 workers' 0.125 %,
@@ -73,8 +74,17 @@ DEFAULT_VARIANTS = (
 )
 
 
+def chunked_topk(density: float, value_dtype: str = "float32") -> optax.GradientTransformation:
+  """`exdyna_jax.chunked_topk`, its values named as the other compressors' (``bfloat16``)
+  or by their bits (``8``, ``4``, ``2``)."""
+  if value_dtype.isdigit():
+    return exdyna_jax.chunked_topk(density, value_bits=int(value_dtype))
+  return exdyna_jax.chunked_topk(density, value_dtype=value_dtype)
+
+
 # Compressors by the name's suffix (``exdyna`` where none is given); the first that matches.
 COMPRESSORS = {
+    "chunked_topk": chunked_topk,
     "topk_steered": functools.partial(exdyna_jax.topk, exact=False),
     "topk": exdyna_jax.topk,
     "cltk": exdyna_jax.cltk,

@@ -3,6 +3,7 @@
 from exdyna_jax.core._collectives import Sparsifier
 from exdyna_jax.core._stats import SparsifierStats, get_stats, read_totals
 from exdyna_jax.exchange._network import Network
+from exdyna_jax.methods._chunked_topk import chunked_topk
 from exdyna_jax.methods._cltk import cltk
 from exdyna_jax.methods._dense import DenseState, dense
 from exdyna_jax.methods._hard_threshold import hard_threshold
@@ -35,6 +36,7 @@ __all__ = [
     "SparsifierStats",
     "SteeredTopKState",
     "available_sparsifiers",
+    "chunked_topk",
     "cltk",
     "create_train_state",
     "data_parallel",

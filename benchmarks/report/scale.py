@@ -42,6 +42,8 @@ def scale_section(rep: Report, scale: dict | None, collectives: dict | None) -> 
       rows = []
       for name in _common.METHODS:
         by_n = {p["workers"]: p for p in preds if p["method"] == name and p["density"] == density}
+        if not by_n:
+          continue  # not measured in this run
         rows.append([name] + [ms(by_n[n]["seconds"][link]) if n in by_n else "" for n in ns])
       rep.add(
         f"### Predicted ms per step, d = {density}, {link} Gb/s\n\n"

@@ -34,6 +34,8 @@ def traffic_section(rep: Report, traffic: dict | None) -> None:
   for density in traffic["densities"]:
     rows = []
     for name in _common.METHODS:
+      if not any((name, density, n) in rows_by for n in small):
+        continue  # not measured in this run
       row = [name]
       for n in small:
         r = rows_by.get((name, density, n))

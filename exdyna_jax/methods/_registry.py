@@ -13,6 +13,7 @@ from typing import Any
 
 import optax
 
+from exdyna_jax.methods._chunked_topk import chunked_topk
 from exdyna_jax.methods._cltk import cltk
 from exdyna_jax.methods._dense import dense
 from exdyna_jax.methods._hard_threshold import hard_threshold
@@ -31,6 +32,7 @@ SPARSIFIERS: Mapping[str, Factory] = types.MappingProxyType({
     "topk": topk,
     "cltk": cltk,
     "hard_threshold": hard_threshold,
+    "chunked_topk": chunked_topk,
     "dense": dense,
 })
 
@@ -41,7 +43,7 @@ def available_sparsifiers() -> tuple[str, ...]:
   Example:
     >>> import exdyna_jax
     >>> exdyna_jax.available_sparsifiers()
-    ('cltk', 'dense', 'exdyna', 'hard_threshold', 'micro', 'spardl', 'topk')
+    ('chunked_topk', 'cltk', 'dense', 'exdyna', 'hard_threshold', 'micro', 'spardl', 'topk')
   """
   return tuple(sorted(SPARSIFIERS))
 
@@ -70,7 +72,7 @@ def get_sparsifier(name: str, **options: Any) -> optax.GradientTransformationExt
     >>> exdyna_jax.get_sparsifier("powersgd", density=0.01)
     Traceback (most recent call last):
       ...
-    ValueError: Unknown sparsifier 'powersgd'; valid names: cltk, dense, exdyna, ...
+    ValueError: Unknown sparsifier 'powersgd'; valid names: chunked_topk, cltk, dense, ...
   """
   return SPARSIFIERS[registered_name(name)](**options)
 

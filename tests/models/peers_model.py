@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import ml_dtypes
 import numpy as np
 
 F32 = np.float32
@@ -236,4 +237,57 @@ def dense(grads: np.ndarray) -> Trace:
     update = np.sum(grads[:, t].astype(F32), axis=0) / F32(num_workers)
     zeros = np.zeros((num_workers, num_elements), F32)
     record.add(update, zeros, 0.0, num_elements, num_elements, 0, [num_elements] * num_workers)
+  return record.trace()
+
+
+def wire_values(values: np.ndarray, values_as) -> np.ndarray:
+  """``[chunks, m]`` picked values as the compact wire carries them (docs/algorithms.md).
+
+  A dtype name: in that dtype (float16 clipped to +-65,504). An int ``b``:
+  a sign and a level ``q < L = 2**(b-1)`` of ``|v| / s`` (``s`` the chunk's
+  largest picked magnitude), read back as ``(q + 1/2) / L * s``.
+  """
+  if not isinstance(values_as, int):
+    dtype = {"bfloat16": ml_dtypes.bfloat16}.get(str(values_as), np.dtype(values_as))
+    limit = F32(ml_dtypes.finfo(dtype).max) if dtype != np.float32 else np.inf
+    return np.clip(values, -limit, limit).astype(dtype).astype(F32)
+  value_bits = values_as
+  levels = F32(2 ** (value_bits - 1))
+  scales = np.max(np.abs(values), axis=1, keepdims=True)
+  ratio = np.abs(values) / np.where(scales > 0, scales, F32(1))
+  level = np.minimum(np.floor(ratio * levels), levels - 1)
+  return np.where(values < 0, F32(-1), F32(1)) * ((level + F32(0.5)) / levels) * scales
+
+
+def chunked_topk(grads: np.ndarray, density: float, chunk: int, values_as) -> Trace:
+  """Top ``m = ceil(k / chunks)`` of every chunk per worker; each sends its own values.
+
+  The update is the sum of what the workers sent over ``n``; each worker's
+  residual is its accumulated gradient less what it sent (the rounding of
+  its values stays in it). The threshold is the smallest magnitude sent.
+  """
+  num_workers, num_steps, num_elements = grads.shape
+  length = min(chunk, num_elements)
+  chunks = -(-num_elements // length)
+  per_chunk = min(length, -(-target(density, num_elements) // chunks))
+  residuals = np.zeros((num_workers, num_elements), F32)
+  record = _Recorder()
+  for t in range(num_steps):
+    accumulated = grads[:, t].astype(F32) + residuals
+    sent, picked = np.zeros_like(accumulated), np.zeros(accumulated.shape, bool)
+    for w in range(num_workers):
+      rows = np.zeros(chunks * length, F32)
+      rows[:num_elements] = accumulated[w]
+      rows = rows.reshape(chunks, length)
+      offsets = np.stack([top_k(np.abs(row), per_chunk) for row in rows])
+      values = wire_values(np.take_along_axis(rows, offsets, axis=1), values_as)
+      indices = (np.arange(chunks)[:, None] * length + offsets).reshape(-1)
+      inside = indices < num_elements
+      sent[w, indices[inside]] = values.reshape(-1)[inside]
+      picked[w, indices[inside]] = True
+    update = np.sum(sent, axis=0) / F32(num_workers)
+    residuals = accumulated - sent
+    record.add(update, residuals.copy(), np.min(np.abs(sent[picked])), num_workers * chunks
+               * per_chunk, int(np.sum(np.any(picked, axis=0))), 0, [chunks * per_chunk]
+               * num_workers)
   return record.trace()

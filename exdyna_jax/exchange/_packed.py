@@ -1,0 +1,153 @@
+"""A compact wire: chunk offsets in 16 bits, values in 2 to 32 bits, one all-gather.
+
+A worker that picks the same number ``m`` of elements in every chunk of
+``L`` elements (``L <= 65536``) need not send its indices in 32 bits: the
+position of a pick in its message says its chunk, and its offset in the
+chunk fits a ``uint16``. Its values go as a float dtype (float32,
+bfloat16, float16: ``values_as`` a dtype) or in ``b`` = 2, 4 or 8 bits
+(``values_as`` the int ``b``): a sign bit and ``b - 1`` bits of
+magnitude, on a scale per chunk (the chunk's largest magnitude picked, a
+float32), packed ``8 / b`` to a byte. One ``all_gather`` of a byte buffer
+moves all of it; every worker decodes every message to the same
+``(indices, values)``.
+
+What the rounding takes from a worker's values is its own to keep: the
+caller keeps ``accumulated - decoded`` in its residual (error feedback), as
+SparseLoCo does with its 2-bit values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from exdyna_jax.core import _collectives
+
+MAX_CHUNK = 1 << 16  # offsets in a chunk are uint16
+VALUE_BITS = (2, 4, 8)  # quantized values, on a scale per chunk
+SCALE_BYTES = 4
+
+ValuesAs = Any  # a float dtype (float32, bfloat16, float16) or an int of `VALUE_BITS`
+
+
+class Picks(NamedTuple):
+  """One worker's picks: ``m`` per chunk.
+
+  Attributes:
+    offsets: int32 ``[chunks, m]`` positions in each chunk, below ``L``.
+    values: float32 ``[chunks, m]`` the values there.
+  """
+
+  offsets: jax.Array
+  values: jax.Array
+
+
+def quantized(values_as: ValuesAs) -> bool:
+  """Whether ``values_as`` is a bit count (values on a scale per chunk), not a dtype."""
+  return isinstance(values_as, int)
+
+
+def message_bytes(chunks: int, per_chunk: int, values_as: ValuesAs) -> int:
+  """Bytes of one worker's message: its offsets, values and (quantized) scales."""
+  picks = chunks * per_chunk
+  if not quantized(values_as):
+    return (2 + np.dtype(values_as).itemsize) * picks
+  return 2 * picks + -(-picks * values_as // 8) + chunks * SCALE_BYTES
+
+
+def quantize(values: jax.Array, value_bits: int) -> tuple[jax.Array, jax.Array]:
+  """``(codes, scales)``: uint8 ``[chunks, m]`` codes and float32 ``[chunks]`` scales.
+
+  A code is the sign (its top bit) and the magnitude's level ``q`` below
+  ``2**(b - 1)``: ``|v| / scale`` cut into equal steps (`dequantize` reads
+  each step's middle).
+  """
+  levels = 1 << (value_bits - 1)
+  scales = jnp.max(jnp.abs(values), axis=1)
+  ratio = jnp.abs(values) / jnp.where(scales > 0, scales, 1.0)[:, None]
+  level = jnp.minimum(jnp.floor(ratio * levels), levels - 1).astype(jnp.uint8)
+  return level | jnp.where(values < 0, jnp.uint8(levels), jnp.uint8(0)), scales
+
+
+def dequantize(codes: jax.Array, scales: jax.Array, value_bits: int) -> jax.Array:
+  """float32 values of ``codes`` (``[..., chunks, m]``) on ``scales`` (``[..., chunks]``)."""
+  levels = 1 << (value_bits - 1)
+  magnitude = ((codes & (levels - 1)).astype(jnp.float32) + 0.5) / levels
+  sign = jnp.where(codes & levels, -1.0, 1.0)
+  return sign * magnitude * scales[..., None]
+
+
+def rounded(values: jax.Array, values_as: ValuesAs) -> jax.Array:
+  """float32 ``values`` as the wire carries them: what every worker decodes."""
+  if quantized(values_as):
+    return dequantize(*quantize(values, values_as), values_as)
+  return _narrowed(values, values_as).astype(jnp.float32)
+
+
+def encode(picks: Picks, values_as: ValuesAs) -> jax.Array:
+  """uint8 ``[message_bytes]``: the offsets, then the values (and the scales)."""
+  offsets = _as_bytes(picks.offsets.reshape(-1).astype(jnp.uint16))
+  if not quantized(values_as):
+    return jnp.concatenate([offsets, _as_bytes(_narrowed(picks.values.reshape(-1), values_as))])
+  codes, scales = quantize(picks.values, values_as)
+  return jnp.concatenate([offsets, _packed(codes.reshape(-1), values_as), _as_bytes(scales)])
+
+
+def decode(message: jax.Array, chunks: int, per_chunk: int, values_as: ValuesAs) -> Picks:
+  """The `Picks` of a message (``[..., message_bytes]``, any leading axes)."""
+  lead, picks = message.shape[:-1], chunks * per_chunk
+  shape = (*lead, chunks, per_chunk)
+  offsets = _from_bytes(message[..., : 2 * picks], jnp.uint16).astype(jnp.int32)
+  rest = message[..., 2 * picks :]
+  if not quantized(values_as):
+    return Picks(offsets.reshape(shape),
+                 _from_bytes(rest, values_as).astype(jnp.float32).reshape(shape))
+  value_bytes = -(-picks * values_as // 8)
+  codes = _unpacked(rest[..., :value_bytes], values_as)[..., :picks]
+  scales = _from_bytes(rest[..., value_bytes:], jnp.float32)
+  return Picks(offsets.reshape(shape), dequantize(codes.reshape(shape), scales, values_as))
+
+
+def gather(picks: Picks, axis_name: str, values_as: ValuesAs) -> Picks:
+  """Every worker's `Picks` (``[n, chunks, m]`` each) as the wire carries them."""
+  chunks, per_chunk = picks.offsets.shape
+  gathered = _collectives.all_gather(encode(picks, values_as), axis_name)
+  return decode(gathered, chunks, per_chunk, values_as)
+
+
+def _narrowed(values: jax.Array, dtype) -> jax.Array:
+  """``values`` in a float ``dtype``, clipped to its range (float16's 65,504)."""
+  if np.dtype(dtype) == np.float32:
+    return values
+  limit = float(jnp.finfo(dtype).max)
+  return jnp.clip(values, -limit, limit).astype(dtype)
+
+
+def _as_bytes(x: jax.Array) -> jax.Array:
+  """uint8 ``[size * itemsize]``: the bytes of a flat array."""
+  return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(raw: jax.Array, dtype) -> jax.Array:
+  """``[..., size]`` of ``dtype`` from uint8 ``[..., size * itemsize]``."""
+  width = jnp.dtype(dtype).itemsize
+  return jax.lax.bitcast_convert_type(raw.reshape(*raw.shape[:-1], -1, width), dtype)
+
+
+def _packed(codes: jax.Array, value_bits: int) -> jax.Array:
+  """uint8: ``8 / b`` codes of ``b`` bits to a byte, the first in the low bits."""
+  per_byte = 8 // value_bits
+  codes = jnp.pad(codes, (0, -codes.shape[0] % per_byte)).reshape(-1, per_byte)
+  shifts = jnp.arange(per_byte, dtype=jnp.uint8) * value_bits
+  return jnp.sum(codes << shifts, axis=1, dtype=jnp.uint8)
+
+
+def _unpacked(packed: jax.Array, value_bits: int) -> jax.Array:
+  """uint8 ``[..., bytes * 8 / b]`` codes from `_packed`'s bytes."""
+  per_byte = 8 // value_bits
+  shifts = jnp.arange(per_byte, dtype=jnp.uint8) * value_bits
+  codes = (packed[..., None] >> shifts) & jnp.uint8((1 << value_bits) - 1)
+  return codes.reshape(*packed.shape[:-1], -1)

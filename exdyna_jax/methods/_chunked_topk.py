@@ -1,0 +1,175 @@
+"""Top-k in every chunk with error feedback, on a compact wire (SparseLoCo's compressor)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from exdyna_jax.core import _collectives, _options, _stats
+from exdyna_jax.exchange import _exchange, _packed
+from exdyna_jax.shell import _feedback
+
+
+def chunked_topk(
+    density: float | Mapping[int, float],
+    *,
+    chunk: int = 4096,
+    value_bits: int | None = None,
+    axis_name: str = "data",
+    value_dtype: Any = jnp.float32,
+) -> optax.GradientTransformationExtraArgs:
+  """Each worker's top ``m`` of every chunk, sent as 16-bit offsets and low-bit values.
+
+  The accumulated gradient (its ``N`` elements, zero-padded) is cut into
+  chunks of ``L = chunk`` elements; each worker picks the ``m = ceil(k /
+  chunks)`` largest magnitudes of each chunk (``k = floor(density * N)``),
+  so the position of a pick in its message names its chunk, and its offset
+  in the chunk fits 16 bits. Values go in ``value_dtype``, or with
+  ``value_bits`` in 8, 4 or 2 bits on a scale per chunk (`_packed`). One
+  ``all_gather`` of each worker's bytes; every worker decodes all of them
+  and the update is the sum of every worker's sent values over ``n``, at
+  the union of their picks. Each worker keeps in its residual what it did
+  not send and what the rounding of its own values lost.
+
+  Unlike `topk`, whose workers all send their values at the union of every
+  worker's indices (a ``psum`` of ``n k`` values), a worker here sends its
+  own ``k`` values only: ``(n - 1) (2 + b / 8) k`` bytes on a ring
+  all-gather for ``b``-bit values, against `topk`'s ``(n - 1) 12 k``. The
+  mean at an index only some workers picked is their sum over ``n``: the
+  others keep their part.
+
+  The stats count ``selected = n k'`` and ``transmitted`` = the distinct
+  indices sent (``k' = m chunks >= k``, each worker's ``workloads``;
+  ``target`` is ``k``); ``threshold`` is the smallest magnitude sent.
+
+  Calling convention: :doc:`/usage`; non-finite gradients: :doc:`/bad_inputs`.
+
+  Args:
+    density: fraction ``d`` of gradient elements each worker picks, in
+      ``(0, 1]``, or a schedule ``{first_step: density}`` (:doc:`/usage`).
+    chunk: elements per chunk, ``L``, at most 65,536 (the offsets are
+      uint16); a model smaller than it is one chunk.
+    value_bits: None (default: values in ``value_dtype``), or 8, 4 or 2: a
+      sign and ``b - 1`` bits of magnitude, the chunk's largest magnitude
+      picked its scale.
+    axis_name: name of the data-parallel axis.
+    value_dtype: float32 (default), bfloat16 or float16: the values' dtype
+      on the wire where ``value_bits`` is None.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is an
+    `ErrorFeedbackState`.
+
+  Raises:
+    ValueError: for a ``chunk`` past 65,536, ``value_bits`` not listed, or
+      both ``value_bits`` and a narrow ``value_dtype``.
+
+  References:
+    Sarfi et al., "SparseLoCo: Communication-Efficient LLM Training ...",
+    2025 (arXiv 2508.15706). Stich et al., "Sparsified SGD with Memory",
+    NeurIPS 2018.
+
+  Example:
+    Eight workers under ``jax.vmap``, 1 % of ``N = 8000`` each in chunks of
+    1,000 (10 a chunk), values in 2 bits:
+
+    >>> import jax, jax.numpy as jnp, exdyna_jax
+    >>> tx = exdyna_jax.chunked_topk(0.01, chunk=1000, value_bits=2)
+    >>> params = jnp.zeros(8000)
+    >>> def step(grads):
+    ...   updates, state = tx.update(grads, tx.init(params), params)
+    ...   return updates, exdyna_jax.get_stats(state)
+    >>> grads = jax.random.normal(jax.random.key(0), (8, 8000))
+    >>> updates, stats = jax.vmap(step, axis_name="data")(grads)
+    >>> int(stats.target[0]), int(stats.selected[0])  # 8 chunks of 10, by 8 workers
+    (80, 640)
+    >>> int(stats.bytes_sent[0])  # 7 x (160 offset + 20 value + 32 scale bytes), + the guard's 14
+    1498
+  """
+  values_as = wire_values(chunk, value_bits, value_dtype)
+
+  def sparsify(accumulated, stats, num_workers, k):
+    num_elements = accumulated.shape[0]
+    length = min(chunk, num_elements)
+    per_chunk = min(length, -(-k // -(-num_elements // length)))
+    picks = pick_in_chunks(accumulated, length, per_chunk)
+    _exchange.check_gathered_size(num_workers, picks.offsets.size)
+    gathered = _packed.gather(picks, axis_name, values_as)
+    indices = flat_indices(gathered.offsets, length, num_elements)
+    values = gathered.values.reshape(-1)
+    sparse, transmitted = summed(accumulated, indices, values, axis_name)
+    new_stats = _stats.unpartitioned_stats(
+        stats,
+        threshold=jnp.min(jnp.where(indices < num_elements, jnp.abs(values), jnp.inf)),
+        selected=jnp.int32(num_workers * picks.offsets.size),
+        transmitted=transmitted,
+        overflow=jnp.zeros((), jnp.int32),
+        workloads=jnp.full((num_workers,), picks.offsets.size, jnp.int32),
+        num_elements=num_elements,
+        bytes_sent=_collectives.ring_all_gather_bytes(
+            num_workers, _packed.message_bytes(*picks.offsets.shape, values_as)),
+        target=k,
+    )
+    return sparse, new_stats
+
+  return _feedback.fixed_budget_transform(density, axis_name=axis_name, sparsify=sparsify)
+
+
+def wire_values(chunk: int, value_bits: int | None, value_dtype: Any) -> _packed.ValuesAs:
+  """`_packed`'s ``values_as`` for the options, checked."""
+  _options.check_positive_int(chunk, "chunk", "elements per chunk")
+  if chunk > _packed.MAX_CHUNK:
+    raise ValueError(f"chunk must be at most {_packed.MAX_CHUNK} (uint16 offsets), got {chunk}.")
+  value_dtype = _options.check_value_dtype(value_dtype)
+  if value_bits is None:
+    return value_dtype
+  if value_bits not in _packed.VALUE_BITS or isinstance(value_bits, bool):
+    raise ValueError(f"value_bits must be None or one of {_packed.VALUE_BITS}, got "
+                     f"{value_bits!r}.")
+  if value_dtype != jnp.float32:
+    raise ValueError(f"Pass value_bits={value_bits} or value_dtype={value_dtype}, not both.")
+  return value_bits
+
+
+def pick_in_chunks(accumulated: jax.Array, length: int, per_chunk: int) -> _packed.Picks:
+  """The ``per_chunk`` largest magnitudes of each chunk of ``length`` (the tail zero-padded)."""
+  chunks = -(-accumulated.shape[0] // length)
+  rows = jnp.pad(accumulated, (0, chunks * length - accumulated.shape[0])).reshape(chunks, length)
+  offsets = jax.lax.top_k(jnp.abs(rows), per_chunk)[1]
+  return _packed.Picks(offsets, jnp.take_along_axis(rows, offsets, axis=1))
+
+
+def flat_indices(offsets: jax.Array, length: int, num_elements: int) -> jax.Array:
+  """int32 ``[n chunks m]`` indices of the gathered ``offsets``; past ``N``: the sentinel."""
+  starts = length * jnp.arange(offsets.shape[-2], dtype=jnp.int32)[:, None]
+  return jnp.minimum(starts + offsets, num_elements).reshape(-1)
+
+
+def summed(accumulated: jax.Array, indices: jax.Array, values: jax.Array, axis_name: str
+           ) -> tuple[_exchange.SparseUpdate, jax.Array]:
+  """The update at every gathered index (worker-major, ``[M]``), and the count of distinct ones.
+
+  The ``M = n k'`` picks are sorted by index; each run of one index sums to
+  the workers' total there, over ``n`` (so duplicates carry the same
+  value). This worker keeps ``a`` less its own sent value there: all of
+  ``a`` where it sent nothing, the rounding of its value where it did.
+  Costs ``O(M log M)``, no ``[N]`` buffer.
+  """
+  num_workers = _collectives.axis_size(axis_name)
+  row = jnp.arange(indices.shape[0], dtype=jnp.int32) // (indices.shape[0] // num_workers)
+  own = jnp.where(row == jax.lax.axis_index(axis_name), values, 0.0)
+  order = jnp.argsort(indices, stable=True)
+  indices, values, own = indices[order], values[order], own[order]
+  first = jnp.concatenate([jnp.ones((1,), bool), indices[1:] != indices[:-1]])
+  run = jnp.cumsum(first, dtype=jnp.int32) - 1
+
+  def run_sum(x):
+    return jnp.zeros_like(x).at[run].add(x)[run]
+
+  kept = accumulated.at[indices].get(mode="fill", fill_value=0) - run_sum(own)
+  transmitted = jnp.sum(first & (indices < accumulated.shape[0]), dtype=jnp.int32)
+  return _exchange.SparseUpdate(indices, run_sum(values) / num_workers, kept=kept), transmitted

@@ -1,0 +1,146 @@
+"""`chunked_topk`: top-m of every chunk, 16-bit offsets and 2-32-bit values, against a NumPy model.
+
+The wire is checked on its own (what a message holds and its length) and
+in the compiled step (one all-gather of bytes, no all-reduce of values);
+the method step by step against `peers_model.chunked_topk`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import exdyna_jax
+from exdyna_jax.exchange import _packed
+from tests import harness
+from tests.models import peers_model
+
+NUM_WORKERS, NUM_STEPS = 4, 10
+SHAPES = {"b": (64,), "w": (32, 65)}  # N = 2144
+PARAMS = {name: jnp.zeros(shape, jnp.float32) for name, shape in SHAPES.items()}
+NUM_ELEMENTS = sum(math.prod(shape) for shape in SHAPES.values())
+
+# (value_bits, chunk, density, runner): 5 chunks of 512 (the last of 96); one
+# chunk (a model smaller than it); 2 chunks whose last (144 elements) is
+# smaller than the 214 picks a chunk, so padding is picked and dropped.
+CASES = {
+    "float32": ("float32", 512, 0.05, "vmap"),
+    "bfloat16": ("bfloat16", 512, 0.05, "vmap"),
+    "float16": ("float16", 512, 0.05, "vmap"),
+    "8_bits_padding_picked": (8, 2000, 0.2, "vmap"),
+    "4_bits_one_chunk": (4, 4096, 0.05, "vmap"),
+    "2_bits": (2, 512, 0.05, "vmap"),
+    "2_bits_shard_map": (2, 512, 0.05, "shard_map"),
+}
+
+
+def flat_gradients(seed: int = 0) -> np.ndarray:
+  """``[n, T, N]`` heavy-tailed gradients, larger towards the vector's end, per worker apart."""
+  rng = np.random.default_rng(seed)
+  scale = 0.01 * np.exp(np.linspace(0.0, 1.5, NUM_ELEMENTS))
+  noise = rng.standard_t(3, size=(NUM_WORKERS, NUM_STEPS, NUM_ELEMENTS))
+  return (noise * scale * (1.0 + 0.25 * np.arange(NUM_WORKERS))[:, None, None]).astype(np.float32)
+
+
+@functools.cache
+def run_case(case: str):
+  values_as, chunk, density, runner = CASES[case]
+  options = {"value_dtype": values_as} if isinstance(values_as, str) else {"value_bits": values_as}
+  tx = exdyna_jax.chunked_topk(density, chunk=chunk, **options)
+  grads = flat_gradients()
+  run = (harness.run_vmap if runner == "vmap"
+         else functools.partial(harness.run_shard_map, check_vma=True))
+  updates, states, _ = run(tx, PARAMS, harness.unflatten_like(grads, PARAMS))
+  flat = np.concatenate([np.asarray(leaf).reshape(NUM_WORKERS, NUM_STEPS, -1)
+                         for leaf in jax.tree.leaves(updates)], axis=-1)
+  return grads, flat, harness.to_numpy(states), peers_model.chunked_topk(
+      grads, density, chunk, values_as)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_the_numpy_model_step_by_step(case):
+  grads, updates, states, trace = run_case(case)
+  for w in range(1, NUM_WORKERS):  # one update, the same on every worker
+    np.testing.assert_array_equal(updates[w], updates[0])
+  np.testing.assert_allclose(updates[0], trace.updates, rtol=1e-6, atol=1e-9)
+  np.testing.assert_array_equal(states.residual, trace.residuals)  # each its own, exact
+  previous = np.concatenate([np.zeros_like(trace.residuals[:, :1]), trace.residuals[:, :-1]], 1)
+  np.testing.assert_allclose(  # nothing lost: sum_w m_w + n u == sum_w a_w
+      np.sum(states.residual, 0) + NUM_WORKERS * updates[0], np.sum(grads + previous, 0),
+      rtol=1e-5, atol=1e-6)
+  stats = states.stats
+  for field in ("threshold", "selected", "transmitted", "overflow", "workloads"):
+    np.testing.assert_array_equal(getattr(stats, field)[0], getattr(trace, field), err_msg=field)
+  assert np.all(trace.transmitted > trace.workloads[:, 0])  # the workers disagree: a union
+
+
+def test_fewer_value_bits_round_more_and_keep_the_rest():
+  """What the rounding takes stays in the residuals: 2-bit updates differ from
+  float32's at the same picks, and the sent values carry fewer distinct levels."""
+  _, exact, _, _ = run_case("float32")
+  _, coarse, states, _ = run_case("2_bits")
+  np.testing.assert_array_equal(exact[0, 0] != 0, coarse[0, 0] != 0)  # the same first picks
+  assert not np.allclose(exact[0, 0], coarse[0, 0])
+  assert np.all(states.stats.threshold > 0)
+
+
+@pytest.mark.parametrize("values_as", [*_packed.VALUE_BITS, "bfloat16", "float16", "float32"])
+@pytest.mark.parametrize(("chunks", "per_chunk"), [(3, 7), (1, 1), (5, 64)])
+def test_a_message_decodes_to_what_the_wire_carries(values_as, chunks, per_chunk):
+  """`decode(encode(picks))` gives the picks' offsets and their rounded values,
+  and the message is `message_bytes` long (odd counts of 2- and 4-bit codes pad a byte)."""
+  values_as = values_as if isinstance(values_as, int) else np.dtype(jnp.dtype(values_as))
+  rng = np.random.default_rng(chunks * per_chunk)
+  picks = _packed.Picks(
+      jnp.asarray(rng.integers(0, _packed.MAX_CHUNK, (chunks, per_chunk)), jnp.int32),
+      jnp.asarray(rng.standard_normal((chunks, per_chunk)) * 1e5, jnp.float32))
+  message = _packed.encode(picks, values_as)
+  assert message.dtype == jnp.uint8
+  assert message.shape == (_packed.message_bytes(chunks, per_chunk, values_as),)
+  decoded = _packed.decode(message[None], chunks, per_chunk, values_as)
+  np.testing.assert_array_equal(decoded.offsets[0], picks.offsets)
+  np.testing.assert_array_equal(decoded.values[0], _packed.rounded(picks.values, values_as))
+  np.testing.assert_array_equal(
+      decoded.values[0], peers_model.wire_values(np.asarray(picks.values), values_as))
+  if isinstance(values_as, int):  # at most 2**(b-1) magnitudes in a chunk
+    assert all(len(np.unique(np.abs(row))) <= 2 ** (values_as - 1) for row in decoded.values[0])
+  assert np.all(np.isfinite(decoded.values))  # float16 clipped to its range, not infinite
+
+
+def test_the_wire_is_one_all_gather_of_bytes():
+  """The compiled step moves the picks as bytes (offsets, codes, scales) in one
+  all-gather of ``message_bytes``, and sums no values with an all-reduce: the
+  stats' bytes are that all-gather's on a ring, beside the guard's screen."""
+  tx = exdyna_jax.chunked_topk(0.05, chunk=512, value_bits=2)
+  grads = harness.unflatten_like(flat_gradients()[:, :1], PARAMS)
+  per_worker = harness._scan_steps(tx, PARAMS)
+  step = jax.jit(jax.shard_map(
+      lambda g: jax.tree.map(lambda x: x[None], per_worker(jax.tree.map(lambda x: x[0], g))),
+      mesh=harness.mesh_of(NUM_WORKERS), in_specs=jax.P(harness.AXIS),
+      out_specs=jax.P(harness.AXIS)))
+  text = step.lower(grads).compile().as_text()
+  message = _packed.message_bytes(5, 22, 2)  # ceil(107 / 5) = 22 picks a chunk
+  gathers = re.findall(r"u8\[(\d+),?(\d*)\]\S* all-gather\(", text)
+  assert [int(size) for pair in gathers for size in pair if size] == [NUM_WORKERS, message]
+  assert not re.search(r"f32\[\d+\]\S* all-reduce\(", text)
+  _, _, states, _ = run_case("2_bits")
+  screen = int(states.stats.bytes_sent[0, 0]) - (NUM_WORKERS - 1) * message
+  assert 0 < screen < 64
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"chunk": 65537}, "chunk must be at most 65536"),
+    ({"chunk": 0}, "chunk must be a positive int"),
+    ({"value_bits": 3}, r"value_bits must be None or one of \(2, 4, 8\)"),
+    ({"value_bits": 16}, r"value_bits must be None or one of \(2, 4, 8\)"),
+    ({"value_bits": 2, "value_dtype": "bfloat16"}, "Pass value_bits=2 or value_dtype=bfloat16"),
+])
+def test_bad_options_are_refused(options, message):
+  with pytest.raises((ValueError, TypeError), match=message):
+    exdyna_jax.chunked_topk(0.01, **options)
