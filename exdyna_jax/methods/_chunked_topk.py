@@ -90,7 +90,7 @@ def chunked_topk(
     >>> int(stats.bytes_sent[0])  # 7 x (160 offset + 20 value + 32 scale bytes), + the guard's 14
     1498
   """
-  values_as = wire_values(chunk, value_bits, value_dtype)
+  values_as = checked_values_as(chunk, value_bits, value_dtype)
 
   def sparsify(accumulated, stats, num_workers, k):
     num_elements = accumulated.shape[0]
@@ -119,7 +119,7 @@ def chunked_topk(
   return _feedback.fixed_budget_transform(density, axis_name=axis_name, sparsify=sparsify)
 
 
-def wire_values(chunk: int, value_bits: int | None, value_dtype: Any) -> _packed.ValuesAs:
+def checked_values_as(chunk: int, value_bits: int | None, value_dtype: Any) -> _packed.ValuesAs:
   """`_packed`'s ``values_as`` for the options, checked."""
   _options.check_positive_int(chunk, "chunk", "elements per chunk")
   if chunk > _packed.MAX_CHUNK:
