@@ -1,4 +1,4 @@
-"""Top-k in every chunk with error feedback, on a compact wire (SparseLoCo's compressor)."""
+"""Top-k in every chunk with error feedback, on a compact wire (as SparseLoCo's compressor)."""
 
 from __future__ import annotations
 
