@@ -26,7 +26,7 @@ SHAPES = {"b": (64,), "w": (32, 65)}  # N = 2144
 PARAMS = {name: jnp.zeros(shape, jnp.float32) for name, shape in SHAPES.items()}
 NUM_ELEMENTS = sum(math.prod(shape) for shape in SHAPES.values())
 
-# (value_bits, chunk, density, runner): 5 chunks of 512 (the last of 96); one
+# (a value dtype or bits, chunk, density, runner): 5 chunks of 512 (the last of 96); one
 # chunk (a model smaller than it); 2 chunks whose last (144 elements) is
 # smaller than the 214 picks a chunk, so padding is picked and dropped.
 CASES = {
