@@ -11,6 +11,7 @@ import optax
 
 from exdyna_jax.core import _collectives, _options, _stats
 from exdyna_jax.exchange import _exchange, _packed
+from exdyna_jax.selection import _selection
 from exdyna_jax.shell import _feedback
 
 
@@ -139,8 +140,7 @@ def pick_in_chunks(accumulated: jax.Array, length: int, per_chunk: int) -> _pack
   """The ``per_chunk`` largest magnitudes of each chunk of ``length`` (the tail zero-padded)."""
   chunks = -(-accumulated.shape[0] // length)
   rows = jnp.pad(accumulated, (0, chunks * length - accumulated.shape[0])).reshape(chunks, length)
-  offsets = jax.lax.top_k(jnp.abs(rows), per_chunk)[1]
-  return _packed.Picks(offsets, jnp.take_along_axis(rows, offsets, axis=1))
+  return _packed.Picks(*_selection.top_k_of_rows(rows, per_chunk))
 
 
 def flat_indices(offsets: jax.Array, length: int, num_elements: int) -> jax.Array:

@@ -31,8 +31,9 @@ import numpy as np
 import optax
 
 from exdyna_jax.core import _collectives, _layout, _options, _stats
-from exdyna_jax.exchange import _exchange
+from exdyna_jax.exchange import _exchange, _packed
 from exdyna_jax.methods import _spardl_rounds
+from exdyna_jax.selection import _selection
 from exdyna_jax.shell import _density_schedule, _feedback
 
 
@@ -135,13 +136,11 @@ def _top_k(rows: jax.Array, k: int,
     (rounded, clipped to its range), and float32 ``[R, L]`` the rows less
     those values (zero at the indices for float32, else what rounding lost).
   """
-  _, indices = jax.lax.top_k(jnp.abs(rows), k)  # ties: lower index first
-  values = jnp.take_along_axis(rows, indices, axis=1)
+  indices, values = _selection.top_k_of_rows(rows, k)
   row_ids = jnp.arange(rows.shape[0])[:, None]
   if jnp.dtype(value_dtype) == jnp.float32:
     return indices, values, rows.at[row_ids, indices].set(0)
-  limit = float(jnp.finfo(value_dtype).max)
-  wire = jnp.clip(values, -limit, limit).astype(value_dtype).astype(jnp.float32)
+  wire = _packed.rounded(values, value_dtype)
   return indices, wire, rows.at[row_ids, indices].set(values - wire)
 
 

@@ -381,3 +381,18 @@ def select_top_k(accumulated: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   # min, not magnitudes[k - 1]: indexing the sorted output makes XLA on CPU
   # compile a full sort of N instead of its top-k kernel (100x slower).
   return indices.astype(jnp.int32), jnp.min(magnitudes)
+
+
+def top_k_of_rows(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """Exact top-``k`` by magnitude of each row (ties towards the lower index).
+
+  Args:
+    rows: float32 ``[R, L]``.
+    k: static number per row.
+
+  Returns:
+    ``(indices, values)``: int32 ``[R, k]`` positions in the row, largest
+    first, and float32 ``[R, k]`` the values there.
+  """
+  _, indices = jax.lax.top_k(jnp.abs(rows), k)
+  return indices, jnp.take_along_axis(rows, indices, axis=1)
