@@ -30,7 +30,8 @@ def compare(settings, methods, rounds, extra_args=(), out=None):
 
   Returns:
     ``{"settings": [...], "runs": [{"xla_flags", "round", "rows": {method:
-    {"seconds", "queued_seconds"}}, "exdyna_over_floor"}]}``, in the order run,
+    {"seconds", "queued_seconds", "dispatch_seconds"}}, "exdyna_over_floor"}]}``,
+    in the order run (a run that failed: ``{"xla_flags", "round", "error"}``),
     also written to ``out``.
   """
   runs = []
@@ -40,12 +41,18 @@ def compare(settings, methods, rounds, extra_args=(), out=None):
         row_out = pathlib.Path(scratch) / f"{number}-{len(runs)}.json"
         env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
         env.update({"XLA_FLAGS": flags} if flags else {})
-        subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--target-only", "--methods",
-                        ",".join(methods), "--out", str(row_out), *extra_args],
-                       env=env, check=True, stdout=subprocess.DEVNULL)
+        done = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--target-only",
+                               "--methods", ",".join(methods), "--out", str(row_out),
+                               *extra_args], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+        if done.returncode:  # a setting XLA refuses: say so, and go on with the others
+          runs.append({"xla_flags": flags, "round": number, "error": done.stderr[-2000:]})
+          print(f"[{flags}] failed: {done.stderr[-300:]}", file=sys.stderr, flush=True)
+          continue
         row = json.loads(row_out.read_text())["rows"][0]
         runs.append({"xla_flags": flags, "round": number,
-                     "rows": {name: {key: row[name][key] for key in ("seconds", "queued_seconds")}
+                     "rows": {name: {key: row[name][key]
+                                     for key in ("seconds", "queued_seconds", "dispatch_seconds")}
                               for name in methods},
                      "exdyna_over_floor": row["exdyna_over_floor"]})
         print(table_line(runs[-1]), file=sys.stderr, flush=True)
@@ -55,7 +62,8 @@ def compare(settings, methods, rounds, extra_args=(), out=None):
 
 
 def table_line(run):
-  """One run as a line: its flags, ExDyna over the floor, each method's blocked / queued ms."""
-  timings = " ".join(f"{name} {1e3 * row['seconds']:.3f}/{1e3 * row['queued_seconds']:.3f}"
-                     for name, row in run["rows"].items())
+  """One run as a line: its flags, ExDyna over the floor, each method's blocked / queued /
+  dispatch ms."""
+  timings = " ".join(f"{name} {1e3 * row['seconds']:.3f}/{1e3 * row['queued_seconds']:.3f}/"
+                     f"{1e3 * row['dispatch_seconds']:.3f}" for name, row in run["rows"].items())
   return f"[{run['xla_flags'] or 'defaults'}] x{run['exdyna_over_floor']:.2f} {timings}"

@@ -18,15 +18,17 @@ import jax
 PROFILE_STEPS = 5
 
 
-def traced_steps(directory, step, carry, *args, next_carry=lambda out: out):
-  """`busiest_operations` of `PROFILE_STEPS` queued calls ``step(carry, *args)``
-  (a jitted step, already compiled; ``next_carry`` picks the carry from its
-  output), with `with_sources`; the trace and the optimised HLO
-  (``step.hlo.txt``) land in ``directory``."""
+def traced_steps(directory, step, carry, *args, next_carry=lambda out: out, blocked=False):
+  """`busiest_operations` of `PROFILE_STEPS` calls ``step(carry, *args)``, queued
+  or ``blocked`` on each (a jitted step, already compiled; ``next_carry`` picks
+  the carry from its output), with `with_sources`; the trace and the optimised
+  HLO (``step.hlo.txt``) land in ``directory``."""
   directory = pathlib.Path(directory)
   with jax.profiler.trace(str(directory), create_perfetto_trace=True):
     for _ in range(PROFILE_STEPS):
       carry = next_carry(step(carry, *args))
+      if blocked:
+        carry = jax.block_until_ready(carry)
     jax.block_until_ready(carry)
   hlo = step.lower(carry, *args).compile().as_text()
   (directory / "step.hlo.txt").write_text(hlo)

@@ -2,9 +2,11 @@
 
 A step is timed blocked on each call and queued (`timed_steps`). A method's
 name may end in ``_loops`` (the passes over the partition traced as XLA
-loops, as before the Pallas kernels) or ``_unguarded`` (a diagnostic: the
+loops, as before the Pallas kernels), ``_unguarded`` (a diagnostic: the
 guard patched out, its screen's sum and ``psum`` kept: no conditional, no
-select), which `traced_as` applies while the step is traced.
+select) or ``_unchecked`` (a diagnostic: the check of a state that does not
+fit patched out, the rest of the guard kept), which `traced_as` applies
+while the step is traced.
 """
 
 from __future__ import annotations
@@ -45,16 +47,34 @@ def timed_steps(step, carry, repeats):
   return carry, times, (time.perf_counter() - start) / repeats
 
 
-def timing(times, queued, per=1):
-  """The JSON of `timed_steps`' times, each divided by ``per``."""
-  return {"seconds": statistics.median(times) / per, "min_seconds": min(times) / per,
-          "queued_seconds": queued / per}
+def dispatch_seconds(step, carry, repeats):
+  """``(carry, seconds)``: the median seconds until a blocked ``step(carry)`` returns
+  (the host's dispatch: its launches, and any wait inside the program for a
+  value the host reads), before the wait for the device."""
+  seconds = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    carry = step(carry)
+    seconds.append(time.perf_counter() - start)
+    carry = jax.block_until_ready(carry)
+  return carry, statistics.median(seconds)
+
+
+def timing(times, queued, per=1, dispatch=None):
+  """The JSON of `timed_steps`' times (and a `dispatch_seconds`), each divided by ``per``."""
+  result = {"seconds": statistics.median(times) / per, "min_seconds": min(times) / per,
+            "queued_seconds": queued / per}
+  return result if dispatch is None else {**result, "dispatch_seconds": dispatch / per}
 
 
 def traced_as(name):
   """The context a method ``name`` is traced in: the passes over the partition as XLA
   loops for ``*_loops`` names, the guard patched out for ``*_unguarded`` ones
-  (`unguarded_screen`), the library as it is otherwise."""
+  (`unguarded_screen`), the check of a state that does not fit patched out for
+  ``*_unchecked`` ones (its conditional and host callback: the screen and the
+  selects stay), the library as it is otherwise."""
+  if name.endswith("_unchecked"):
+    return mock.patch.object(_guard, "stop_if_misfit", lambda *_, **__: jnp.int32(0))
   if name.endswith("_unguarded"):
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(_guard, "screen", unguarded_screen))
@@ -77,4 +97,4 @@ def unguarded_screen(values, stats, num_workers, axis_name, *, layout=0, leaves=
 
 def method_of(name):
   """The registered method a benchmark name runs (``exdyna_loops`` runs ``exdyna``)."""
-  return name.removesuffix("_loops").removesuffix("_unguarded")
+  return name.removesuffix("_loops").removesuffix("_unguarded").removesuffix("_unchecked")

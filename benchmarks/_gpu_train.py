@@ -4,7 +4,8 @@ Eight workers run under ``vmap`` on the one device, each on its own share
 of the batch; ``compute`` has no exchange (the workers' updates are averaged
 on the device), every other method is chained before the optimizer, but
 ``topk_union``: the AdamW recipe, ``sparse_adamw(topk(d / n, exact=False))``
-(each worker its own ``d / n`` largest, about ``d`` in all).
+(each worker its own ``d / n`` largest, about ``d`` in all). ``chunked_topk``
+sends 2-bit values: its step is what a sync of local steps adds to a step.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import optax
 import exdyna_jax
 from benchmarks import _common
 from benchmarks._gpu_profile import traced_steps
+from benchmarks._gpu_programs import CHUNKED_VALUE_BITS
 from benchmarks._gpu_timing import AXIS, WORKERS, method_of, timed_steps, timing, traced_as
 from exdyna_jax.demo import tasks
 
@@ -54,7 +56,8 @@ def train_step(name, density, loss, optimizer):
     tx = exdyna_jax.sparse_adamw(
         exdyna_jax.topk(density / WORKERS, exact=False, axis_name=AXIS), GPT_LEARNING_RATE)
   elif name != "compute":
-    tx = optax.chain(_common.make_tx(method_of(name), density, WORKERS), tx)
+    extra = {"value_bits": CHUNKED_VALUE_BITS} if name == "chunked_topk" else {}
+    tx = optax.chain(_common.make_tx(method_of(name), density, WORKERS, **extra), tx)
 
   def per_worker(params, opt_state, batch):
     return tx.update(jax.grad(loss)(params, batch), opt_state, params)

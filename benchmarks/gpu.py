@@ -17,10 +17,16 @@ exdyna_unguarded    a diagnostic, not a method to use: ``exdyna(d)`` with the
                     guard patched out (a sum over the gradient and its
                     ``psum`` stay; no conditional, no select), to measure
                     what the guard's conditionals cost
+exdyna_unchecked    a diagnostic: ``exdyna(d)`` with the check of a state that
+                    does not fit patched out (its conditional, which the host
+                    waits on mid-step, and its host callback), to measure what
+                    that check costs
 exdyna_reference    ``exdyna(d, controller="reference")``
 micro               ``micro(d)``
 topk_union          ``topk(d / 8, exact=False)``: each worker its own ``d / 8``
                     largest (about ``d`` in all), the AdamW recipe's sparsifier
+chunked_topk        ``chunked_topk(d, value_bits=2)``: the compact wire (uint16
+                    offsets, 2-bit values), as local steps send it
 topk_ef             a plain error-feedback step with ``lax.top_k``: read
                     ``a = g + m``, top-k of ``|a|``, write ``m`` and the update
 floor               the elementwise floor: read ``g`` and ``m``, write ``m``
@@ -45,7 +51,7 @@ some, ``compute`` always first).
 
 ``--check`` compares the Pallas kernels with the loops on this device
 (``kernels_against_loops``): the two passes on one worker's gradient, and
-ExDyna, its reference rule and MiCRO for a few steps (`check_kernels`).
+ExDyna, its reference rule and MiCRO for a few steps (`_gpu_check`).
 
 ``--against-cpu`` runs every registered method (and ExDyna's reference
 rule) for a few steps of 8 workers on this device and on the CPU, on the
@@ -60,18 +66,21 @@ partition read in chunks that many times `_selection.chunk_length` (fewer
 loop iterations, more elements read past the partition's ends).
 
 ``--profile DIR`` traces a few steps of ``--profile-methods`` (default:
-ExDyna) at the target size with
-``jax.profiler`` (the trace lands in ``DIR``) and records, per device
+ExDyna) at the target size with ``jax.profiler``, queued (into
+``DIR/<method>``) and blocked on each (``DIR/<method>_blocked``: the host's
+launches then show beside the device's idle time), and records, per device
 thread of the trace, the busiest operations per step (``profile`` in the
 JSON), and the number of kernels a step launches; with ``--gpt``, also the
 GPT's train step of `GPT_PROFILED` (``gpt.profile`` in the JSON).
 
 Every method is timed blocked on each step (``seconds``: what a loop that
-reads each step's result gets, the host's dispatch and wait included) and
+reads each step's result gets, the host's dispatch and wait included),
 queued (``queued_seconds``: the device's throughput where the host runs
-ahead). ``exdyna_over_floor`` is the blocked ExDyna step over 16 N bytes at
-the copy bandwidth (queued ``y = x + 1``), ``exdyna_over_floor_program`` over
-the floor program, blocked too.
+ahead) and to the call's return (``dispatch_seconds``: the host's launches,
+and its wait for whatever the program reads back mid-step).
+``exdyna_over_floor`` is the blocked ExDyna step over 16 N bytes at the copy
+bandwidth (queued ``y = x + 1``), ``exdyna_over_floor_program`` over the
+floor program, blocked too.
 
 Writes ``results/gpu.json`` (``device``, ``exdyna_over_floor`` and
 ``topk_over_exdyna`` at N = 25M, d = 0.001, and the full table) unless
@@ -96,66 +105,24 @@ import jax
 import jax.numpy as jnp
 
 import exdyna_jax
-from benchmarks import _common, _gpu_against_cpu, _gpu_flags, _gpu_train
+from benchmarks import _common, _gpu_against_cpu, _gpu_check, _gpu_flags, _gpu_train
 from benchmarks._gpu_profile import traced_steps
-from benchmarks._gpu_timing import AXIS, WORKERS, method_of, timed_steps, timing, traced_as
+from benchmarks._gpu_programs import vmapped_update
+from benchmarks._gpu_timing import (
+    WORKERS,
+    dispatch_seconds,
+    timed_steps,
+    timing,
+    traced_as,
+)
 from exdyna_jax.selection import _selection
 
 TARGET = {"elements": 25_000_000, "density": 0.001}
 FULL_GRID = [(n, d) for n in (11_200_000, 25_000_000, 100_000_000) for d in (0.01, 0.001)]
 QUICK_GRID = [(200_000, 0.001)]
-METHODS = ("exdyna", "exdyna_loops", "exdyna_unguarded", "exdyna_reference", "micro",
-           "topk_union", "topk_ef", "floor")
-CHECK_STEPS = 4
+METHODS = ("exdyna", "exdyna_loops", "exdyna_unguarded", "exdyna_unchecked", "exdyna_reference",
+           "micro", "topk_union", "chunked_topk", "topk_ef", "floor")
 GPT_PROFILED = ("exdyna@0.001", "topk_union@0.01")
-
-
-def sparsifier(name, density):
-  if method_of(name) == "exdyna":
-    return exdyna_jax.exdyna(density, axis_name=AXIS)
-  if name == "exdyna_reference":
-    return exdyna_jax.exdyna(density, axis_name=AXIS, controller="reference")
-  if name == "topk_union":
-    return exdyna_jax.topk(density / WORKERS, exact=False, axis_name=AXIS)
-  return exdyna_jax.micro(density, axis_name=AXIS)
-
-
-def program(name, num_elements, density):
-  """``(init(params) -> state, step(state, grads) -> (state, update))``, per worker."""
-  params = jnp.zeros((num_elements,), jnp.float32)
-  if name == "floor":
-    def floor_step(residual, grads):
-      accumulated = grads + residual
-      # New residual and dense update; two different values, two buffers
-      # written (equal ones would be computed once and copied: 20 N bytes).
-      return accumulated * 0.5, accumulated * 0.25
-    return lambda: jnp.zeros_like(params), floor_step
-  if name == "topk_ef":
-    k = int(density * num_elements)
-
-    def topk_step(residual, grads):
-      accumulated = grads + residual
-      _, indices = jax.lax.top_k(jnp.abs(accumulated), k)
-      values = jax.lax.psum(accumulated[indices], AXIS) / WORKERS
-      update = jnp.zeros_like(accumulated).at[indices].set(values)
-      return accumulated.at[indices].set(0.0), update
-    return lambda: jnp.zeros_like(params), topk_step
-  tx = sparsifier(name, density)
-
-  def step(state, grads):
-    update, state = tx.update(grads, state, params)
-    return state, update
-  return lambda: tx.init(params), step
-
-
-def vmapped_update(name, num_elements, density):
-  """``(state, run)``: the 8 workers' state and the jitted step ``run(state, grads)``."""
-  init, step = program(name, num_elements, density)
-  run = jax.jit(jax.vmap(step, axis_name=AXIS, axis_size=WORKERS), donate_argnums=0)
-  state = jax.jit(jax.vmap(lambda _: init(), axis_name=AXIS, axis_size=WORKERS))(
-      jnp.arange(WORKERS)
-  )
-  return state, run
 
 
 def time_method(name, num_elements, density, grads, repeats):
@@ -163,7 +130,9 @@ def time_method(name, num_elements, density, grads, repeats):
     state, run = vmapped_update(name, num_elements, density)
     (state, _), times, queued = timed_steps(
         lambda carry: run(carry[0], grads), (state, None), repeats)
-  result = timing(times, queued, per=WORKERS)
+    (state, _), dispatch = dispatch_seconds(
+        lambda carry: run(carry[0], grads), (state, None), repeats)
+  result = timing(times, queued, per=WORKERS, dispatch=dispatch)
   if name not in ("floor", "topk_ef"):
     stats = exdyna_jax.get_stats(state)
     k = int(density * num_elements)
@@ -179,78 +148,19 @@ def copy_bandwidth(num_elements, repeats):
   return 8 * WORKERS * num_elements / queued
 
 
-def check_kernels(num_elements, density, grads):
-  """The kernels against the loops on this device.
-
-  ``passes``: whether `_selection.count_in_range` and `select_in_range` give
-  the same counts, largest magnitude, indices and pass count on worker 0's
-  gradient for a few ranges. Per method, `CHECK_STEPS` steps of the
-  8 workers: ``bit_for_bit`` (every state and update the same),
-  ``transmitted_equal`` (the indices sent each step) and the largest
-  relative difference of the thresholds.
-  """
-  result = {"passes": check_passes(grads[0])}
-  for name in ("exdyna", "exdyna_reference", "micro"):
-    runs = []
-    for loops in (False, True):
-      with traced_as("_loops" if loops else name):
-        state, run = vmapped_update(name, num_elements, density)
-        steps = []
-        for step in range(CHECK_STEPS):
-          state, update = run(state, grads * (1.0 + 0.1 * step))
-          steps.append(jax.device_get((state, update)))  # the next step donates the state
-        runs.append(steps)
-    kernels, loops = runs
-    pairs = [(a.stats, b.stats) for (a, _), (b, _) in zip(kernels, loops, strict=True)]
-    result[name] = {
-        "bit_for_bit": trees_equal(kernels, loops),
-        "transmitted_equal": all((a.transmitted == b.transmitted).all() for a, b in pairs),
-        "threshold_max_relative_difference": max(
-            float(abs(a.threshold[0] - b.threshold[0]) / b.threshold[0]) for a, b in pairs),
-    }
-    print(f"{name}: kernels against loops: {result[name]}", file=sys.stderr, flush=True)
-  return result
-
-
-def trees_equal(a, b):
-  """Whether two trees of arrays are the same, bit for bit."""
-  return all(jax.tree.leaves(jax.tree.map(lambda x, y: bool((x == y).all()), a, b)))
-
-
-def check_passes(accumulated):
-  """Whether the kernels' passes over a range give the loops' results on ``accumulated``."""
-  num_elements = accumulated.shape[0]
-  chunk = _selection.chunk_length(num_elements, WORKERS)
-  scale = float(jnp.max(jnp.abs(accumulated)))
-  thresholds = scale * jnp.linspace(0.5, 0.9, 27, dtype=jnp.float32)
-
-  def passes(begin, end):
-    counts = _selection.count_in_range(accumulated, begin, end, thresholds, chunk=chunk)
-    selection = _selection.select_in_range(
-        accumulated, thresholds[0], begin, end, capacity=4096, chunk=chunk, fallback_offset=0)
-    return counts, selection
-
-  ranges = [(0, num_elements), (num_elements // 7, num_elements // 2),
-            (num_elements - num_elements // 50, num_elements)]
-  same = True
-  for begin, end in ranges:
-    results = []
-    for name in ("kernels", "_loops"):
-      with traced_as(name):
-        results.append(jax.device_get(jax.jit(passes)(jnp.int32(begin), jnp.int32(end))))
-    same &= trees_equal(*results)
-  return bool(same)
-
-
 def profile_methods(trace_root, num_elements, density, grads, methods):
-  """`traced_steps` of each method, into ``trace_root/<method>``."""
+  """`traced_steps` of each method, queued into ``trace_root/<method>`` and
+  blocked on each step into ``trace_root/<method>_blocked``."""
   profiles = {}
   for name in methods:
     with traced_as(name):
       state, run = vmapped_update(name, num_elements, density)
       state = jax.block_until_ready(run(state, grads))[0]  # compiled
-      profiles[name] = traced_steps(pathlib.Path(trace_root) / name, run, state, grads,
-                                    next_carry=lambda out: out[0])
+      for blocked in (False, True):
+        label = f"{name}_blocked" if blocked else name
+        fresh = jax.tree.map(jnp.copy, state)  # the trace donates what it is given
+        profiles[label] = traced_steps(pathlib.Path(trace_root) / label, run, fresh, grads,
+                                       next_carry=lambda out: out[0], blocked=blocked)
   return profiles
 
 
@@ -369,7 +279,7 @@ def main(argv=None):
         result["against_cpu"] = _gpu_against_cpu.against_cpu(density)
         save()
       if args.check:
-        result["kernels_against_loops"] = check_kernels(num_elements, density, grads)
+        result["kernels_against_loops"] = _gpu_check.check_kernels(num_elements, density, grads)
         save()
       if args.chunk_scales:
         result["chunk_scales"] = chunk_rows(

@@ -8,11 +8,12 @@ import json
 import math
 import pathlib
 import re
+import subprocess
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks import _gpu_against_cpu, _gpu_profile, _gpu_train, gpu
+from benchmarks import _gpu_against_cpu, _gpu_profile, _gpu_programs, _gpu_timing, _gpu_train, gpu
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -31,6 +32,8 @@ def test_quick_run_writes_the_ratios_and_the_table(tmp_path):
   for row in result["rows"]:
     for name in methods:
       assert row[name]["seconds"] > 0 and row[name]["queued_seconds"] > 0, name
+      # The call returns before the step ends, or as it ends: never after.
+      assert 0 < row[name]["dispatch_seconds"] <= 2 * row[name]["seconds"], name
     assert row["exdyna_over_floor"] == row["exdyna"]["seconds"] / row["floor_bandwidth_seconds"]
     assert row["exdyna"]["sent_over_k"] > 0
     # Five steps from the initial threshold: the default never sends more than
@@ -112,28 +115,48 @@ def test_profile_summary_names_each_kernel_and_where_it_came_from(tmp_path):
 def test_xla_flags_settings_take_turns_each_in_a_process_of_its_own(tmp_path, monkeypatch):
   """``--compare-xla-flags``: each setting runs the target row in a fresh process
   (``XLA_FLAGS`` is read once, at start), the settings in turn, an empty one with
-  ``XLA_FLAGS`` unset; the JSON holds every run's timings in the order run."""
+  ``XLA_FLAGS`` unset; the JSON holds every run's timings in the order run, and
+  the error of a setting XLA refuses, without stopping the others."""
   calls = []
 
-  def fake_run(command, env, check, stdout):
+  def fake_run(command, env, **_):
     calls.append((env.get("XLA_FLAGS"), command))
+    if env.get("XLA_FLAGS") == "--xla_refused=1":
+      return subprocess.CompletedProcess(command, 1, stderr="Unknown flag in XLA_FLAGS")
     out = pathlib.Path(command[command.index("--out") + 1])
     seconds = 1e-3 * len(calls)
-    row = {name: {"seconds": seconds, "queued_seconds": seconds / 2}
-           for name in ("exdyna", "topk_ef", "floor")}
+    row = {name: {"seconds": seconds, "queued_seconds": seconds / 2,
+                  "dispatch_seconds": seconds / 4} for name in ("exdyna", "topk_ef", "floor")}
     out.write_text(json.dumps({"rows": [{**row, "exdyna_over_floor": 2.0 + len(calls)}]}))
+    return subprocess.CompletedProcess(command, 0, stderr="")
 
   monkeypatch.setenv("XLA_FLAGS", "--inherited")
   monkeypatch.setattr(gpu._gpu_flags.subprocess, "run", fake_run)
   out = tmp_path / "flags.json"
-  gpu.main(["--compare-xla-flags=|--xla_a=1", "--rounds", "2", "--repeats", "3",
+  gpu.main(["--compare-xla-flags=|--xla_a=1|--xla_refused=1", "--rounds", "2", "--repeats", "3",
             "--methods", "exdyna,topk_ef,floor", "--out", str(out)])
-  assert [flags for flags, _ in calls] == [None, "--xla_a=1", None, "--xla_a=1"]
+  assert [flags for flags, _ in calls] == [None, "--xla_a=1", "--xla_refused=1"] * 2
   assert all(command[1:4] == ["-m", "benchmarks.gpu", "--target-only"]
              and command[-2:] == ["--repeats", "3"] for _, command in calls)
   result = json.loads(out.read_text())
-  assert result["settings"] == ["", "--xla_a=1"]
+  assert result["settings"] == ["", "--xla_a=1", "--xla_refused=1"]
   assert [(run["xla_flags"], run["round"]) for run in result["runs"]] == [
-      ("", 0), ("--xla_a=1", 0), ("", 1), ("--xla_a=1", 1)]
-  assert [run["rows"]["exdyna"]["seconds"] for run in result["runs"]] == [
-      1e-3, 2e-3, 3e-3, 4e-3]
+      (flags, number) for number in (0, 1) for flags in result["settings"]]
+  timed = [run for run in result["runs"] if "error" not in run]
+  assert [run["rows"]["exdyna"]["seconds"] for run in timed] == [1e-3, 2e-3, 4e-3, 5e-3]
+  assert [run["rows"]["floor"]["dispatch_seconds"] for run in timed] == [
+      2.5e-4, 5e-4, 1e-3, 1.25e-3]
+  refused = [run for run in result["runs"] if "error" in run]
+  assert [run["error"] for run in refused] == ["Unknown flag in XLA_FLAGS"] * 2
+
+
+def test_unchecked_diagnostic_drops_only_the_misfit_checks_host_callback():
+  """``exdyna_unchecked`` traces ExDyna without the check of a state that does not fit
+  (its conditional's host callback); ``exdyna`` keeps it."""
+  callbacks = {}
+  for name in ("exdyna", "exdyna_unchecked"):
+    with _gpu_timing.traced_as(name):
+      state, run = _gpu_programs.vmapped_update(name, 4096, 0.01)
+      text = run.lower(state, jnp.ones((_gpu_timing.WORKERS, 4096))).as_text()
+    callbacks[name] = text.count("callback")
+  assert callbacks == {"exdyna": 1, "exdyna_unchecked": 0}

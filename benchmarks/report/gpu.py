@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from benchmarks.report._format import Report, short, table
 
-UPDATE_METHODS = ("exdyna", "exdyna_loops", "exdyna_unguarded", "exdyna_reference", "micro",
-                  "topk_union", "topk_ef", "floor")
+UPDATE_METHODS = ("exdyna", "exdyna_loops", "exdyna_unguarded", "exdyna_unchecked",
+                  "exdyna_reference", "micro", "topk_union", "chunked_topk", "topk_ef", "floor")
 PROFILE_ITEMS = 5
-GAPS = 3
+GAPS = 2
 
 
 def gpu_section(rep: Report, gpu: dict | None) -> None:
@@ -17,11 +17,15 @@ def gpu_section(rep: Report, gpu: dict | None) -> None:
   rep.add(
     f"{gpu['device']} ({gpu['platform']}, jax {gpu.get('jax', '?')}). {gpu['timing']}. "
     "Milliseconds per worker, each step blocked on (the host's dispatch and wait "
-    "included); `exdyna queued` is ExDyna with the steps queued (the device's rate). "
+    "included); `exdyna queued` is ExDyna with the steps queued (the device's rate), "
+    "`exdyna dispatch` the time until the call returns (the host's launches and its wait "
+    "for what the program reads back mid-step). "
     "`floor` is the elementwise floor as a program (read the gradient and the residual, "
     "write the residual and the update), `16N B` the same bytes at the copy bandwidth "
     "measured in the row (`y = x + 1` in place, queued): the floor the targets use. "
-    "`topk_union` is `topk(d / 8, exact=False)`, the AdamW recipe's sparsifier."
+    "`topk_union` is `topk(d / 8, exact=False)`, the AdamW recipe's sparsifier; "
+    "`chunked_topk` is `chunked_topk(d, value_bits=2)`, each worker's own `d` (its "
+    "`sent_over_k` counts all 8 workers' picks)."
     + (f" {gpu['sources']}" if "sources" in gpu else "")
   )
   rows = []
@@ -31,12 +35,14 @@ def gpu_section(rep: Report, gpu: dict | None) -> None:
       short(r["elements"]), r["density"],
       *(f"{1e3 * r[m]['seconds']:.3f}" for m in methods),
       f"{1e3 * r['exdyna']['queued_seconds']:.3f}",
+      f"{1e3 * r['exdyna']['dispatch_seconds']:.3f}" if "dispatch_seconds" in r["exdyna"] else "",
       f"{1e3 * r['floor_bandwidth_seconds']:.3f}",
       f"{r['exdyna_over_floor']:.2f}", f"{r['exdyna_queued_over_floor']:.2f}",
       f"{r['exdyna_over_floor_program']:.2f}", f"{r['topk_over_exdyna']:.1f}",
     ])
   methods = [m for m in UPDATE_METHODS if m in gpu["rows"][0]]
-  rep.add(table(["N", "d", *methods, "exdyna queued", "16N B", "exdyna / 16N B",
+  rep.add(table(["N", "d", *methods, "exdyna queued", "exdyna dispatch", "16N B",
+                 "exdyna / 16N B",
                  "queued / 16N B", "exdyna / floor", "topk_ef / exdyna"], rows))
   at = gpu["at"]
   where = f"N = {short(at['elements'])}, d = {at['density']}"
@@ -61,20 +67,25 @@ def gpu_section(rep: Report, gpu: dict | None) -> None:
     train_table(rep, gpu["train"])
   if "gpt" in gpu:
     gpt_table(rep, gpu["gpt"])
-  for thread, summary in gpu.get("profile", {}).get("exdyna", {}).items():
+  profiles = gpu.get("profile", {})
+  blocked = next(iter(profiles.get("exdyna_blocked", {}).values()), None)
+  for thread, summary in profiles.get("exdyna", {}).items():
     rep.add(
       f"Profile of `exdyna` at the target ({thread}): "
       f"{summary['events_per_step']:.0f} device events, "
       f"{summary['device_to_host_per_step']:.0f} device-to-host copies (each a wait "
       f"of the host) and {summary['busy_us_per_step']:,.0f} us busy in a span of "
       f"{summary['span_us_per_step']:,.0f} us per 8-worker step (queued, under the "
-      "profiler); the busiest:\n\n"
+      "profiler"
+      + (f"; blocked on each step, a span of {blocked['span_us_per_step']:,.0f} us"
+         if blocked else "")
+      + "); the busiest:\n\n"
       + table(["operation", "from", "per step", "us per step"],
               [[f"`{t['name'][:60]}`", f"`{t['source']}`" if t.get("source") else "",
                 f"{t['count_per_step']:g}", f"{t['us_per_step']:,.0f}"]
                for t in summary["top"][:PROFILE_ITEMS]])
     )
-  gaps_paragraph(rep, gpu.get("profile", {}).get("exdyna", {}))
+  gaps_paragraph(rep, profiles.get("exdyna_blocked") or profiles.get("exdyna", {}))
 
 
 def train_table(rep: Report, train: dict) -> None:
@@ -135,7 +146,8 @@ def gpt_table(rep: Report, gpt: dict) -> None:
     f"workers under `vmap` with {gpt['sequences_per_worker']} sequences each, "
     "`optax.chain(method, optax.adamw)` (`compute`: AdamW alone, the workers' updates "
     "averaged on the device; `topk_union`: the AdamW recipe, "
-    "`sparse_adamw(topk(d / 8, exact=False))`), params and state donated. `method@d`: the "
+    "`sparse_adamw(topk(d / 8, exact=False))`; `chunked_topk`: 2-bit values, what a sync "
+    "of local steps adds to its step), params and state donated. `method@d`: the "
     "density; `_loops`: the passes over the partition as XLA loops, as before the kernels; "
     "`_unguarded`: a diagnostic with the guard's conditionals patched out.\n\n"
     + table(["method", "ms per 8-worker step", "queued", "/ compute"],
