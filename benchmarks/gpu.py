@@ -25,7 +25,7 @@ exdyna_reference    ``exdyna(d, controller="reference")``
 micro               ``micro(d)``
 topk_union          ``topk(d / 8, exact=False)``: each worker its own ``d / 8``
                     largest (about ``d`` in all), the AdamW recipe's sparsifier
-chunked_topk        ``chunked_topk(d, value_bits=2)``: the compact wire (uint16
+chunked_topk        ``chunked_topk(d, value_bits=2)``: the compact wire (12-bit
                     offsets, 2-bit values), as local steps send it
 topk_ef             a plain error-feedback step with ``lax.top_k``: read
                     ``a = g + m``, top-k of ``|a|``, write ``m`` and the update

@@ -91,19 +91,31 @@ def test_fewer_value_bits_round_more_and_keep_the_rest():
 
 
 @pytest.mark.parametrize("values_as", [*_packed.VALUE_BITS, "bfloat16", "float16", "float32"])
-@pytest.mark.parametrize(("chunks", "per_chunk"), [(3, 7), (1, 1), (5, 64)])
-def test_a_message_decodes_to_what_the_wire_carries(values_as, chunks, per_chunk):
+@pytest.mark.parametrize(("chunks", "per_chunk", "length", "offset_bits"), [
+    (3, 7, 4096, 12), (1, 1, 1, 1), (5, 64, _packed.MAX_CHUNK, 16), (2, 3, 1000, 10)])
+def test_a_message_decodes_to_what_the_wire_carries(values_as, chunks, per_chunk, length,
+                                                    offset_bits):
   """`decode(encode(picks))` gives the picks' offsets and their rounded values,
-  and the message is `message_bytes` long (odd counts of 2- and 4-bit codes pad a byte)."""
+  and the message is `message_bytes` long: the offsets in ``ceil(log2 L)`` bits
+  each, the values after them (odd counts of bits pad a byte)."""
   values_as = values_as if isinstance(values_as, int) else np.dtype(jnp.dtype(values_as))
   rng = np.random.default_rng(chunks * per_chunk)
-  picks = _packed.Picks(
-      jnp.asarray(rng.integers(0, _packed.MAX_CHUNK, (chunks, per_chunk)), jnp.int32),
-      jnp.asarray(rng.standard_normal((chunks, per_chunk)) * 1e5, jnp.float32))
-  message = _packed.encode(picks, values_as)
+  offsets = rng.integers(0, length, (chunks, per_chunk))
+  offsets.flat[0] = length - 1  # the largest offset uses every bit
+  picks = _packed.Picks(jnp.asarray(offsets, jnp.int32),
+                        jnp.asarray(rng.standard_normal((chunks, per_chunk)) * 1e5, jnp.float32))
+  message = _packed.encode(picks, length, values_as)
   assert message.dtype == jnp.uint8
-  assert message.shape == (_packed.message_bytes(chunks, per_chunk, values_as),)
-  decoded = _packed.decode(message[None], chunks, per_chunk, values_as)
+  picks_count = chunks * per_chunk
+  value_bytes = (-(-picks_count * values_as // 8) + 4 * chunks if isinstance(values_as, int)
+                 else values_as.itemsize * picks_count)
+  assert _packed.offset_bits(length) == offset_bits
+  assert message.shape == (_packed.message_bytes(chunks, per_chunk, length, values_as),) == (
+      -(-picks_count * offset_bits // 8) + value_bytes,)
+  stream = np.packbits(((offsets.reshape(-1, 1) >> np.arange(offset_bits)) & 1).astype(np.uint8),
+                       bitorder="little")  # each offset's bits, least significant first
+  np.testing.assert_array_equal(message[: stream.size], stream)
+  decoded = _packed.decode(message[None], chunks, per_chunk, length, values_as)
   np.testing.assert_array_equal(decoded.offsets[0], picks.offsets)
   np.testing.assert_array_equal(decoded.values[0], _packed.rounded(picks.values, values_as))
   np.testing.assert_array_equal(
@@ -125,7 +137,7 @@ def test_the_wire_is_one_all_gather_of_bytes():
       mesh=harness.mesh_of(NUM_WORKERS), in_specs=jax.P(harness.AXIS),
       out_specs=jax.P(harness.AXIS)))
   text = step.lower(grads).compile().as_text()
-  message = _packed.message_bytes(5, 22, 2)  # ceil(107 / 5) = 22 picks a chunk
+  message = _packed.message_bytes(5, 22, 512, 2)  # ceil(107 / 5) = 22 picks a chunk of 512
   gathers = re.findall(r"u8\[(\d+),?(\d*)\]\S* all-gather\(", text)
   assert [int(size) for pair in gathers for size in pair if size] == [NUM_WORKERS, message]
   assert not re.search(r"f32\[\d+\]\S* all-reduce\(", text)

@@ -1,10 +1,11 @@
-"""A compact wire: chunk offsets in 16 bits, values in 2 to 32 bits, one all-gather.
+"""A compact wire: chunk offsets in ``log2 L`` bits, values in 2 to 32 bits, one all-gather.
 
 A worker that picks the same number ``m`` of elements in every chunk of
 ``L`` elements (``L <= 65536``) need not send its indices in 32 bits: the
 position of a pick in its message says its chunk, and its offset in the
-chunk fits a ``uint16``. Its values go as a float dtype (float32,
-bfloat16, float16: ``values_as`` a dtype) or in ``b`` = 2, 4 or 8 bits
+chunk fits ``ceil(log2 L)`` bits (12 for chunks of 4,096), packed into a
+stream of bytes. Its values go as a float dtype (float32, bfloat16,
+float16: ``values_as`` a dtype) or in ``b`` = 2, 4 or 8 bits
 (``values_as`` the int ``b``): a sign bit and ``b - 1`` bits of
 magnitude, on a scale per chunk (the chunk's largest magnitude picked, a
 float32), packed ``8 / b`` to a byte. One ``all_gather`` of a byte buffer
@@ -26,7 +27,7 @@ import numpy as np
 
 from exdyna_jax.core import _collectives
 
-MAX_CHUNK = 1 << 16  # offsets in a chunk are uint16
+MAX_CHUNK = 1 << 16  # offsets in a chunk take at most 16 bits
 VALUE_BITS = (2, 4, 8)  # quantized values, on a scale per chunk
 SCALE_BYTES = 4
 
@@ -50,12 +51,18 @@ def quantized(values_as: ValuesAs) -> bool:
   return isinstance(values_as, int)
 
 
-def message_bytes(chunks: int, per_chunk: int, values_as: ValuesAs) -> int:
+def offset_bits(length: int) -> int:
+  """Bits of an offset in a chunk of ``length`` elements: ``ceil(log2 length)``, at least 1."""
+  return max(1, (length - 1).bit_length())
+
+
+def message_bytes(chunks: int, per_chunk: int, length: int, values_as: ValuesAs) -> int:
   """Bytes of one worker's message: its offsets, values and (quantized) scales."""
   picks = chunks * per_chunk
+  offsets = -(-picks * offset_bits(length) // 8)
   if not quantized(values_as):
-    return (2 + np.dtype(values_as).itemsize) * picks
-  return 2 * picks + -(-picks * values_as // 8) + chunks * SCALE_BYTES
+    return offsets + np.dtype(values_as).itemsize * picks
+  return offsets + -(-picks * values_as // 8) + chunks * SCALE_BYTES
 
 
 def quantize(values: jax.Array, value_bits: int) -> tuple[jax.Array, jax.Array]:
@@ -87,35 +94,38 @@ def rounded(values: jax.Array, values_as: ValuesAs) -> jax.Array:
   return _narrowed(values, values_as).astype(jnp.float32)
 
 
-def encode(picks: Picks, values_as: ValuesAs) -> jax.Array:
+def encode(picks: Picks, length: int, values_as: ValuesAs) -> jax.Array:
   """uint8 ``[message_bytes]``: the offsets, then the values (and the scales)."""
-  offsets = _as_bytes(picks.offsets.reshape(-1).astype(jnp.uint16))
+  offsets = _bit_stream(picks.offsets.reshape(-1), offset_bits(length))
   if not quantized(values_as):
     return jnp.concatenate([offsets, _as_bytes(_narrowed(picks.values.reshape(-1), values_as))])
   codes, scales = quantize(picks.values, values_as)
-  return jnp.concatenate([offsets, _packed(codes.reshape(-1), values_as), _as_bytes(scales)])
+  return jnp.concatenate([offsets, _bit_stream(codes.reshape(-1), values_as), _as_bytes(scales)])
 
 
-def decode(message: jax.Array, chunks: int, per_chunk: int, values_as: ValuesAs) -> Picks:
+def decode(message: jax.Array, chunks: int, per_chunk: int, length: int,
+           values_as: ValuesAs) -> Picks:
   """The `Picks` of a message (``[..., message_bytes]``, any leading axes)."""
   lead, picks = message.shape[:-1], chunks * per_chunk
   shape = (*lead, chunks, per_chunk)
-  offsets = _from_bytes(message[..., : 2 * picks], jnp.uint16).astype(jnp.int32)
-  rest = message[..., 2 * picks :]
+  bits = offset_bits(length)
+  offset_bytes = -(-picks * bits // 8)
+  offsets = _fields(message[..., :offset_bytes], picks, bits).astype(jnp.int32)
+  rest = message[..., offset_bytes:]
   if not quantized(values_as):
     return Picks(offsets.reshape(shape),
                  _from_bytes(rest, values_as).astype(jnp.float32).reshape(shape))
   value_bytes = -(-picks * values_as // 8)
-  codes = _unpacked(rest[..., :value_bytes], values_as)[..., :picks]
+  codes = _fields(rest[..., :value_bytes], picks, values_as).astype(jnp.uint8)
   scales = _from_bytes(rest[..., value_bytes:], jnp.float32)
   return Picks(offsets.reshape(shape), dequantize(codes.reshape(shape), scales, values_as))
 
 
-def gather(picks: Picks, axis_name: str, values_as: ValuesAs) -> Picks:
+def gather(picks: Picks, length: int, axis_name: str, values_as: ValuesAs) -> Picks:
   """Every worker's `Picks` (``[n, chunks, m]`` each) as the wire carries them."""
   chunks, per_chunk = picks.offsets.shape
-  gathered = _collectives.all_gather(encode(picks, values_as), axis_name)
-  return decode(gathered, chunks, per_chunk, values_as)
+  gathered = _collectives.all_gather(encode(picks, length, values_as), axis_name)
+  return decode(gathered, chunks, per_chunk, length, values_as)
 
 
 def _narrowed(values: jax.Array, dtype) -> jax.Array:
@@ -137,17 +147,28 @@ def _from_bytes(raw: jax.Array, dtype) -> jax.Array:
   return jax.lax.bitcast_convert_type(raw.reshape(*raw.shape[:-1], -1, width), dtype)
 
 
-def _packed(codes: jax.Array, value_bits: int) -> jax.Array:
-  """uint8: ``8 / b`` codes of ``b`` bits to a byte, the first in the low bits."""
-  per_byte = 8 // value_bits
-  codes = jnp.pad(codes, (0, -codes.shape[0] % per_byte)).reshape(-1, per_byte)
-  shifts = jnp.arange(per_byte, dtype=jnp.uint8) * value_bits
-  return jnp.sum(codes << shifts, axis=1, dtype=jnp.uint8)
+def _bit_stream(fields: jax.Array, bits: int) -> jax.Array:
+  """uint8 ``[ceil(size * bits / 8)]``: the low ``bits`` of each of ``fields`` (at most 16),
+  one after another, least significant bit first (so ``8 / b`` codes of ``b`` bits fill a
+  byte, the first in its low bits). Each byte gathers the few fields it holds bits of."""
+  size = -(-fields.shape[0] * bits // 8)
+  reach = -(-8 // bits) + 1  # the fields one byte can hold bits of
+  fields = jnp.pad(fields.astype(jnp.uint32), (0, reach))
+  start = 8 * jnp.arange(size, dtype=jnp.uint32)
+  first, shift = start // bits, start % bits
+  byte = fields[first] >> shift
+  for later in range(1, reach):
+    byte |= fields[first + later] << (later * bits - shift)
+  return (byte & 0xFF).astype(jnp.uint8)
 
 
-def _unpacked(packed: jax.Array, value_bits: int) -> jax.Array:
-  """uint8 ``[..., bytes * 8 / b]`` codes from `_packed`'s bytes."""
-  per_byte = 8 // value_bits
-  shifts = jnp.arange(per_byte, dtype=jnp.uint8) * value_bits
-  codes = (packed[..., None] >> shifts) & jnp.uint8((1 << value_bits) - 1)
-  return codes.reshape(*packed.shape[:-1], -1)
+def _fields(stream: jax.Array, count: int, bits: int) -> jax.Array:
+  """uint32 ``[..., count]`` fields of ``bits`` from `_bit_stream`'s bytes ``[..., bytes]``."""
+  reach = (bits + 7) // 8 + 1  # the bytes one field can span
+  stream = jnp.pad(stream.astype(jnp.uint32), [(0, 0)] * (stream.ndim - 1) + [(0, reach)])
+  start = bits * jnp.arange(count, dtype=jnp.uint32)
+  first, shift = start // 8, start % 8
+  word = stream[..., first]
+  for later in range(1, reach):
+    word |= stream[..., first + later] << (8 * later)
+  return (word >> shift) & ((1 << bits) - 1)

@@ -23,14 +23,15 @@ def chunked_topk(
     axis_name: str = "data",
     value_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformationExtraArgs:
-  """Each worker's top ``m`` of every chunk, sent as 16-bit offsets and low-bit values.
+  """Each worker's top ``m`` of every chunk, sent as ``log2 L``-bit offsets and low-bit values.
 
   The accumulated gradient (its ``N`` elements, zero-padded) is cut into
   chunks of ``L = chunk`` elements; each worker picks the ``m = ceil(k /
   chunks)`` largest magnitudes of each chunk (``k = floor(density * N)``),
   so the position of a pick in its message names its chunk, and its offset
-  in the chunk fits 16 bits. Values go in ``value_dtype``, or with
-  ``value_bits`` in 8, 4 or 2 bits on a scale per chunk (`_packed`). One
+  in the chunk fits ``ceil(log2 L)`` bits (12 for the default). Values go
+  in ``value_dtype``, or with ``value_bits`` in 8, 4 or 2 bits on a scale
+  per chunk (`_packed`). One
   ``all_gather`` of each worker's bytes; every worker decodes all of them
   and the update is the sum of every worker's sent values over ``n``, at
   the union of their picks. Each worker keeps in its residual what it did
@@ -38,7 +39,7 @@ def chunked_topk(
 
   Unlike `topk`, whose workers all send their values at the union of every
   worker's indices (a ``psum`` of ``n k`` values), a worker here sends its
-  own ``k`` values only: ``(n - 1) (2 + b / 8) k`` bytes on a ring
+  own ``k`` values only: ``(n - 1) (log2 L + b) k / 8`` bytes on a ring
   all-gather for ``b``-bit values, against `topk`'s ``(n - 1) 12 k``. The
   mean at an index only some workers picked is their sum over ``n``: the
   others keep their part.
@@ -52,8 +53,8 @@ def chunked_topk(
   Args:
     density: fraction ``d`` of gradient elements each worker picks, in
       ``(0, 1]``, or a schedule ``{first_step: density}`` (:doc:`/usage`).
-    chunk: elements per chunk, ``L``, at most 65,536 (the offsets are
-      uint16); a model smaller than it is one chunk.
+    chunk: elements per chunk, ``L``, at most 65,536 (an offset takes
+      ``ceil(log2 L)`` bits); a model smaller than it is one chunk.
     value_bits: None (default: values in ``value_dtype``), or 8, 4 or 2: a
       sign and ``b - 1`` bits of magnitude, the chunk's largest magnitude
       picked its scale.
@@ -88,8 +89,8 @@ def chunked_topk(
     >>> updates, stats = jax.vmap(step, axis_name="data")(grads)
     >>> int(stats.target[0]), int(stats.selected[0])  # 8 chunks of 10, by 8 workers
     (80, 640)
-    >>> int(stats.bytes_sent[0])  # 7 x (160 offset + 20 value + 32 scale bytes), + the guard's 14
-    1498
+    >>> int(stats.bytes_sent[0])  # 7 x (100 offset + 20 value + 32 scale bytes), + the guard's 14
+    1078
   """
   values_as = checked_values_as(chunk, value_bits, value_dtype)
 
@@ -99,7 +100,7 @@ def chunked_topk(
     per_chunk = min(length, -(-k // -(-num_elements // length)))
     picks = pick_in_chunks(accumulated, length, per_chunk)
     _exchange.check_gathered_size(num_workers, picks.offsets.size)
-    gathered = _packed.gather(picks, axis_name, values_as)
+    gathered = _packed.gather(picks, length, axis_name, values_as)
     indices = flat_indices(gathered.offsets, length, num_elements)
     values = gathered.values.reshape(-1)
     sparse, transmitted = summed(accumulated, indices, values, axis_name)
@@ -112,7 +113,7 @@ def chunked_topk(
         workloads=jnp.full((num_workers,), picks.offsets.size, jnp.int32),
         num_elements=num_elements,
         bytes_sent=_collectives.ring_all_gather_bytes(
-            num_workers, _packed.message_bytes(*picks.offsets.shape, values_as)),
+            num_workers, _packed.message_bytes(*picks.offsets.shape, length, values_as)),
         target=k,
     )
     return sparse, new_stats
@@ -124,7 +125,7 @@ def checked_values_as(chunk: int, value_bits: int | None, value_dtype: Any) -> _
   """`_packed`'s ``values_as`` for the options, checked."""
   _options.check_positive_int(chunk, "chunk", "elements per chunk")
   if chunk > _packed.MAX_CHUNK:
-    raise ValueError(f"chunk must be at most {_packed.MAX_CHUNK} (uint16 offsets), got {chunk}.")
+    raise ValueError(f"chunk must be at most {_packed.MAX_CHUNK} (16-bit offsets), got {chunk}.")
   value_dtype = _options.check_value_dtype(value_dtype)
   if value_bits is None:
     return value_dtype
