@@ -31,10 +31,9 @@ def chunked_topk(
   so the position of a pick in its message names its chunk, and its offset
   in the chunk fits ``ceil(log2 L)`` bits (12 for the default). Values go
   in ``value_dtype``, or with ``value_bits`` in 8, 4 or 2 bits on a scale
-  per chunk (`_packed`). One
-  ``all_gather`` of each worker's bytes; every worker decodes all of them
-  and the update is the sum of every worker's sent values over ``n``, at
-  the union of their picks. Each worker keeps in its residual what it did
+  per chunk (`_packed`). One ``all_gather`` of each worker's bytes; every
+  worker decodes all of them and the update is the sum of every worker's
+  sent values over ``n``, at the union of their picks. Each worker keeps in its residual what it did
   not send and what the rounding of its own values lost.
 
   Unlike `topk`, whose workers all send their values at the union of every
