@@ -199,14 +199,28 @@ def blocked_seconds(step: Any, carry: Any, repeats: int) -> tuple[Any, list[floa
   Returns:
     ``(carry, seconds)``: the last carry and the seconds of each step.
   """
+  carry, _, seconds = timed_calls(step, carry, repeats)
+  return carry, seconds
+
+
+def timed_calls(step: Any, carry: Any, repeats: int) -> tuple[Any, list[float], list[float]]:
+  """`blocked_seconds`, with the seconds until each call returned as well.
+
+  Returns:
+    ``(carry, returned, seconds)``: the last carry, the seconds until each
+    call returned (the host's dispatch: its launches, and any wait inside
+    the program for a value the host reads) and until its result was ready.
+  """
   import jax
 
-  seconds = []
+  returned, seconds = [], []
   for _ in range(repeats):
     start = time.perf_counter()
-    carry = jax.block_until_ready(step(carry))
+    carry = step(carry)
+    returned.append(time.perf_counter() - start)
+    carry = jax.block_until_ready(carry)
     seconds.append(time.perf_counter() - start)
-  return carry, seconds
+  return carry, returned, seconds
 
 
 class Clock:

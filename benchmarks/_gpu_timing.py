@@ -32,39 +32,30 @@ def timed_steps(step, carry, repeats):
   times blocked on each, then ``repeats`` times queued (one block at the end).
 
   Returns:
-    ``(carry, times, queued)``: the last carry, the seconds of each blocked
-    step (what a loop that reads every step's result gets: the host's
-    dispatch and the wait included) and the mean seconds of a queued one
-    (the device's throughput, where the host can run ahead).
+    ``(carry, times, queued, returned)``: the last carry, the seconds of each
+    blocked step (what a loop that reads every step's result gets: the
+    host's dispatch and the wait included), the mean seconds of a queued one
+    (the device's throughput, where the host can run ahead) and the seconds
+    until each blocked call returned (`_common.timed_calls`).
   """
   for _ in range(3):
     carry = step(carry)
-  carry, times = _common.blocked_seconds(step, jax.block_until_ready(carry), repeats)
+  carry, returned, times = _common.timed_calls(step, jax.block_until_ready(carry), repeats)
   start = time.perf_counter()
   for _ in range(repeats):
     carry = step(carry)
   carry = jax.block_until_ready(carry)
-  return carry, times, (time.perf_counter() - start) / repeats
+  return carry, times, (time.perf_counter() - start) / repeats, returned
 
 
-def dispatch_seconds(step, carry, repeats):
-  """``(carry, seconds)``: the median seconds until a blocked ``step(carry)`` returns
-  (the host's dispatch: its launches, and any wait inside the program for a
-  value the host reads), before the wait for the device."""
-  seconds = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    carry = step(carry)
-    seconds.append(time.perf_counter() - start)
-    carry = jax.block_until_ready(carry)
-  return carry, statistics.median(seconds)
-
-
-def timing(times, queued, per=1, dispatch=None):
-  """The JSON of `timed_steps`' times (and a `dispatch_seconds`), each divided by ``per``."""
+def timing(times, queued, per=1, returned=None):
+  """The JSON of `timed_steps`' times, each divided by ``per``; with ``returned``, its
+  median as ``dispatch_seconds``."""
   result = {"seconds": statistics.median(times) / per, "min_seconds": min(times) / per,
             "queued_seconds": queued / per}
-  return result if dispatch is None else {**result, "dispatch_seconds": dispatch / per}
+  if returned is None:
+    return result
+  return {**result, "dispatch_seconds": statistics.median(returned) / per}
 
 
 def traced_as(name):

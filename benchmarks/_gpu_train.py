@@ -87,7 +87,7 @@ def time_train_steps(params, batch, methods, loss, optimizer, repeats, rows=None
     with traced_as(name):
       init, step = train_step(name, density, loss, optimizer)
       carry = (jax.tree.map(jnp.copy, params), init(params))
-      carry, times, queued = timed_steps(functools.partial(step, batch=batch), carry, repeats)
+      carry, times, queued, _ = timed_steps(functools.partial(step, batch=batch), carry, repeats)
       if profile and label in profiled:
         rows.setdefault("profile", {})[label] = traced_steps(
             f"{profile}/{label}", step, carry, batch)

@@ -108,13 +108,7 @@ import exdyna_jax
 from benchmarks import _common, _gpu_against_cpu, _gpu_check, _gpu_flags, _gpu_train
 from benchmarks._gpu_profile import traced_steps
 from benchmarks._gpu_programs import vmapped_update
-from benchmarks._gpu_timing import (
-    WORKERS,
-    dispatch_seconds,
-    timed_steps,
-    timing,
-    traced_as,
-)
+from benchmarks._gpu_timing import WORKERS, timed_steps, timing, traced_as
 from exdyna_jax.selection import _selection
 
 TARGET = {"elements": 25_000_000, "density": 0.001}
@@ -128,11 +122,9 @@ GPT_PROFILED = ("exdyna@0.001", "topk_union@0.01")
 def time_method(name, num_elements, density, grads, repeats):
   with traced_as(name):  # the step is traced at its first call
     state, run = vmapped_update(name, num_elements, density)
-    (state, _), times, queued = timed_steps(
+    (state, _), times, queued, returned = timed_steps(
         lambda carry: run(carry[0], grads), (state, None), repeats)
-    (state, _), dispatch = dispatch_seconds(
-        lambda carry: run(carry[0], grads), (state, None), repeats)
-  result = timing(times, queued, per=WORKERS, dispatch=dispatch)
+  result = timing(times, queued, per=WORKERS, returned=returned)
   if name not in ("floor", "topk_ef"):
     stats = exdyna_jax.get_stats(state)
     k = int(density * num_elements)
@@ -144,7 +136,7 @@ def copy_bandwidth(num_elements, repeats):
   """Bytes per second of ``y = x + 1`` over ``8 N`` float32 (read and write), queued:
   the device's rate, without the host's dispatch and wait of a blocked step."""
   bump = jax.jit(lambda x: x + 1.0, donate_argnums=0)
-  _, _, queued = timed_steps(bump, jnp.ones((WORKERS * num_elements,), jnp.float32), repeats)
+  _, _, queued, _ = timed_steps(bump, jnp.ones((WORKERS * num_elements,), jnp.float32), repeats)
   return 8 * WORKERS * num_elements / queued
 
 
