@@ -19,6 +19,21 @@ import exdyna_jax
 AXIS = "data"
 # Every registered method that sparsifies (takes a density): all but dense.
 SPARSIFYING = tuple(name for name in exdyna_jax.available_sparsifiers() if name != "dense")
+# Runs of more element-steps than this (workers x steps x elements) execute
+# for longer than they compile: they get XLA's optimizing code generation,
+# where the suite's default (conftest) is the cheapest to compile.
+LONG_RUN = 10_000_000
+RUN_OPTIMIZED = {"xla_backend_optimization_level": 1}
+
+
+def long_run(grads) -> bool:
+  """Whether a run of per-worker ``grads`` takes more than `LONG_RUN` element-steps."""
+  return sum(np.size(leaf) for leaf in jax.tree.leaves(grads)) > LONG_RUN
+
+
+def compiler_options(optimized: bool) -> dict | None:
+  """`RUN_OPTIMIZED` for a long run, else the suite's defaults."""
+  return RUN_OPTIMIZED if optimized else None
 
 
 def _scan_steps(tx, params):
@@ -43,7 +58,8 @@ def num_workers_of(grads) -> int:
 
 def run_vmap(tx: optax.GradientTransformation, params, grads):
   n = num_workers_of(grads)
-  return jax.jit(jax.vmap(_scan_steps(tx, params), axis_name=AXIS, axis_size=n))(grads)
+  mapped = jax.vmap(_scan_steps(tx, params), axis_name=AXIS, axis_size=n)
+  return jax.jit(mapped, compiler_options=compiler_options(long_run(grads)))(grads)
 
 
 def run_pmap(tx: optax.GradientTransformation, params, grads):

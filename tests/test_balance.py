@@ -35,7 +35,7 @@ def positional_stream(num_workers, steps, num_elements, *, seed=0, worker_scale=
 
 
 @functools.cache
-def default_runner(density, num_workers, num_elements):
+def default_runner(density, num_workers, num_elements, optimized=False):
   """A jitted vmap run of default ``exdyna(density)``; compiled once per shape."""
   tx = exdyna_jax.exdyna(density)
   params = jnp.zeros(num_elements)
@@ -47,7 +47,8 @@ def default_runner(density, num_workers, num_elements):
 
     return jax.lax.scan(step, tx.init(params), grads)[1]
 
-  return jax.jit(jax.vmap(per_worker, axis_name=harness.AXIS, axis_size=num_workers))
+  return jax.jit(jax.vmap(per_worker, axis_name=harness.AXIS, axis_size=num_workers),
+                 compiler_options=harness.compiler_options(optimized))
 
 
 def run_stats(tx, flat_grads):
@@ -57,7 +58,8 @@ def run_stats(tx, flat_grads):
   """
   if isinstance(tx, float):
     num_workers, _, num_elements = flat_grads.shape
-    stats = default_runner(tx, num_workers, num_elements)(jnp.asarray(flat_grads))
+    run = default_runner(tx, num_workers, num_elements, harness.long_run(flat_grads))
+    stats = run(jnp.asarray(flat_grads))
   else:
     _, states, _ = harness.run_vmap(tx, jnp.zeros(flat_grads.shape[-1]), jnp.asarray(flat_grads))
     stats = states.stats
