@@ -26,14 +26,9 @@ LONG_RUN = 10_000_000
 RUN_OPTIMIZED = {"xla_backend_optimization_level": 1}
 
 
-def long_run(grads) -> bool:
-  """Whether a run of per-worker ``grads`` takes more than `LONG_RUN` element-steps."""
-  return sum(np.size(leaf) for leaf in jax.tree.leaves(grads)) > LONG_RUN
-
-
-def compiler_options(optimized: bool) -> dict | None:
-  """`RUN_OPTIMIZED` for a long run, else the suite's defaults."""
-  return RUN_OPTIMIZED if optimized else None
+def compiler_options(element_steps: int) -> dict | None:
+  """`RUN_OPTIMIZED` for a run of more than `LONG_RUN` element-steps, else the suite's defaults."""
+  return RUN_OPTIMIZED if element_steps > LONG_RUN else None
 
 
 def _scan_steps(tx, params):
@@ -59,7 +54,8 @@ def num_workers_of(grads) -> int:
 def run_vmap(tx: optax.GradientTransformation, params, grads):
   n = num_workers_of(grads)
   mapped = jax.vmap(_scan_steps(tx, params), axis_name=AXIS, axis_size=n)
-  return jax.jit(mapped, compiler_options=compiler_options(long_run(grads)))(grads)
+  element_steps = sum(np.size(leaf) for leaf in jax.tree.leaves(grads))
+  return jax.jit(mapped, compiler_options=compiler_options(element_steps))(grads)
 
 
 def run_pmap(tx: optax.GradientTransformation, params, grads):

@@ -35,7 +35,7 @@ def positional_stream(num_workers, steps, num_elements, *, seed=0, worker_scale=
 
 
 @functools.cache
-def default_runner(density, num_workers, num_elements, optimized=False):
+def default_runner(density, num_workers, num_elements, element_steps):
   """A jitted vmap run of default ``exdyna(density)``; compiled once per shape."""
   tx = exdyna_jax.exdyna(density)
   params = jnp.zeros(num_elements)
@@ -48,7 +48,7 @@ def default_runner(density, num_workers, num_elements, optimized=False):
     return jax.lax.scan(step, tx.init(params), grads)[1]
 
   return jax.jit(jax.vmap(per_worker, axis_name=harness.AXIS, axis_size=num_workers),
-                 compiler_options=harness.compiler_options(optimized))
+                 compiler_options=harness.compiler_options(element_steps))
 
 
 def run_stats(tx, flat_grads):
@@ -58,7 +58,7 @@ def run_stats(tx, flat_grads):
   """
   if isinstance(tx, float):
     num_workers, _, num_elements = flat_grads.shape
-    run = default_runner(tx, num_workers, num_elements, harness.long_run(flat_grads))
+    run = default_runner(tx, num_workers, num_elements, flat_grads.size)
     stats = run(jnp.asarray(flat_grads))
   else:
     _, states, _ = harness.run_vmap(tx, jnp.zeros(flat_grads.shape[-1]), jnp.asarray(flat_grads))

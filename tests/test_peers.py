@@ -14,7 +14,6 @@ import pytest
 import exdyna_jax
 from tests.harness import (
     AXIS,
-    LONG_RUN,
     compiler_options,
     run_pmap,
     run_shard_map,
@@ -279,9 +278,8 @@ def _imbalance_trace(tx, num_elements, num_steps, num_workers):
     return jax.lax.scan(step, tx.init(params), jnp.arange(num_steps))[1]
 
   keys = jax.random.split(jax.random.key(0), num_workers)
-  long_run = num_workers * num_steps * num_elements > LONG_RUN
   run = jax.jit(jax.vmap(worker, axis_name=AXIS, axis_size=num_workers),
-                compiler_options=compiler_options(long_run))
+                compiler_options=compiler_options(num_workers * num_steps * num_elements))
   return np.asarray(run(keys)[0])
 
 
