@@ -33,8 +33,9 @@ def chunked_topk(
   in ``value_dtype``, or with ``value_bits`` in 8, 4 or 2 bits on a scale
   per chunk (`_packed`). One ``all_gather`` of each worker's bytes; every
   worker decodes all of them and the update is the sum of every worker's
-  sent values over ``n``, at the union of their picks. Each worker keeps in its residual what it did
-  not send and what the rounding of its own values lost.
+  sent values over ``n``, at the union of their picks. Each worker keeps in
+  its residual what it did not send and what the rounding of its own
+  values lost.
 
   Unlike `topk`, whose workers all send their values at the union of every
   worker's indices (a ``psum`` of ``n k`` values), a worker here sends its
