@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "exdyna_jax"
@@ -84,6 +86,15 @@ def test_every_module_imports_only_modules_listed_before_it():
 def test_no_module_is_longer_than_a_few_screens():
   for path in [*PACKAGE.rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]:
     assert len(path.read_text().splitlines()) <= MAX_LINES, path
+
+
+def test_importing_the_package_loads_flax_only_for_its_flax_helpers():
+  """A process that only sparsifies (a launcher's worker, a benchmark) starts without Flax."""
+  code = ("import sys, exdyna_jax; assert 'flax' not in sys.modules, 'flax loaded'; "
+          "exdyna_jax.nnx_step, exdyna_jax.train_state_step; "
+          "assert {'flax.nnx', 'flax.training.train_state'} <= set(sys.modules)")
+  run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_the_step_counter_is_advanced_in_one_place():
