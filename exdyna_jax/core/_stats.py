@@ -202,7 +202,7 @@ def read_totals(stats: SparsifierStats) -> dict[str, int]:
     ...     _, state = tx.update(g, state)
     ...   return state
     >>> grads = jax.random.normal(jax.random.key(0), (8, 3, 4096))
-    >>> totals = exdyna_jax.read_totals(jax.vmap(run, axis_name="data")(grads).stats)
+    >>> totals = exdyna_jax.read_totals(jax.jit(jax.vmap(run, axis_name="data"))(grads).stats)
     >>> totals["steps"], totals["target"]  # k = 40 asked for at each step
     (3, 120)
     >>> 1 <= totals["transmitted"] / totals["target"] <= 8  # the union of the workers' 40

@@ -86,7 +86,7 @@ def chunked_topk(
     ...   updates, state = tx.update(grads, tx.init(params), params)
     ...   return updates, exdyna_jax.get_stats(state)
     >>> grads = jax.random.normal(jax.random.key(0), (8, 8000))
-    >>> updates, stats = jax.vmap(step, axis_name="data")(grads)
+    >>> updates, stats = jax.jit(jax.vmap(step, axis_name="data"))(grads)
     >>> int(stats.target[0]), int(stats.selected[0])  # 8 chunks of 10, by 8 workers
     (80, 640)
     >>> int(stats.bytes_sent[0])  # 7 x (100 offset + 20 value + 32 scale bytes), + the guard's 14

@@ -72,7 +72,7 @@ def cltk(
     ...   first, state = tx.update(g[0], state, params)
     ...   second, state = tx.update(g[1], state, params)
     ...   return first, second
-    >>> first, second = jax.vmap(two_steps, axis_name="data", axis_size=4)(grads)
+    >>> first, second = jax.jit(jax.vmap(two_steps, axis_name="data", axis_size=4))(grads)
 
     Step 0 sends the top-2 of the leader worker 0, step 1 those of worker 1:
 

@@ -89,7 +89,7 @@ def hard_threshold(
     >>> def step(g):  # runs per worker
     ...   updates, state = tx.update(g, tx.init(params), params)
     ...   return updates, exdyna_jax.get_stats(state)
-    >>> updates, stats = jax.vmap(step, axis_name="data", axis_size=4)(grads)
+    >>> updates, stats = jax.jit(jax.vmap(step, axis_name="data", axis_size=4))(grads)
     >>> print(stats.workloads[0])  # each worker selected one element
     [1 1 1 1]
     >>> print(jnp.flatnonzero(updates[0]))  # the union of the choices

@@ -45,7 +45,7 @@ class SteeredTopKState(NamedTuple):
     ...     passed.append(state.stats.workloads)
     ...   return state, jnp.stack(passed)
     >>> grads = jax.random.normal(jax.random.key(0), (8, 4, 4096))
-    >>> state, passed = jax.vmap(run, axis_name="data")(grads)
+    >>> state, passed = jax.jit(jax.vmap(run, axis_name="data"))(grads)
     >>> type(state).__name__, state.threshold.shape  # a threshold each
     ('SteeredTopKState', (8,))
     >>> print(passed[0, 0, :4], passed[0, -1, :4])  # four workers' counts, first and last step

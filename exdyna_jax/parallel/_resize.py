@@ -84,7 +84,7 @@ def resize_workers(
     ...     state = tx.update(g, state, params)[1]
     ...   return state
     >>> grads = jax.random.normal(jax.random.key(0), (8, 3, 4096))
-    >>> state = jax.vmap(run, axis_name="data", axis_size=8)(grads)
+    >>> state = jax.jit(jax.vmap(run, axis_name="data", axis_size=8))(grads)
     >>> smaller = exdyna_jax.resize_workers(tx, state, params, 4)
     >>> optax.tree.get(smaller, "residual").shape
     (4, 4096)

@@ -48,7 +48,7 @@ class ErrorFeedbackState(NamedTuple):
     >>> def step(g):  # runs per worker
     ...   return tx.update(g, tx.init(params), params)
     >>> grads = jax.random.normal(jax.random.key(0), (8, 4096))
-    >>> updates, state = jax.vmap(step, axis_name="data", axis_size=8)(grads)
+    >>> updates, state = jax.jit(jax.vmap(step, axis_name="data", axis_size=8))(grads)
     >>> type(state).__name__, state.residual.shape  # [worker, N]: a residual each
     ('ErrorFeedbackState', (8, 4096))
     >>> kept_plus_sent = state.residual.sum(0) + 8 * updates[0]  # nothing is lost

@@ -133,9 +133,10 @@ def sparse_adamw(
     >>> def step(g):  # per worker
     ...   return tx.update(g, tx.init(params), params)
     >>> grads = jax.random.normal(jax.random.key(0), (8, 4096))
-    >>> updates, state = jax.vmap(step, axis_name="data")(grads)
+    >>> updates, state = jax.jit(jax.vmap(step, axis_name="data"))(grads)
     >>> sent = int(exdyna_jax.get_stats(state).transmitted[0])  # about k = 40
-    >>> sent == int(jnp.sum(updates[0] != 0)), 30 < sent < 50  # only what was sent moves
+    >>> moved = int(jnp.sum(updates[0] != 0))  # a sent sum can round to 0
+    >>> sent - 2 <= moved <= sent, 30 < sent < 50  # only what was sent moves
     (True, True)
   """
   return optax.chain(

@@ -117,7 +117,7 @@ def local_steps(
     ...     params = optax.apply_updates(params, updates)
     ...   return params
     >>> grads = jnp.arange(8.0)[:, None] * jnp.ones((8, 4))
-    >>> params = jax.vmap(run, axis_name="data")(grads)
+    >>> params = jax.jit(jax.vmap(run, axis_name="data"))(grads)
     >>> params[:, 0]  # every worker: -0.1 * 2 steps * the mean gradient 3.5
     Array([-0.7, -0.7, -0.7, -0.7, -0.7, -0.7, -0.7, -0.7], dtype=float32)
   """

@@ -67,7 +67,7 @@ class ExDynaState(NamedTuple):
     ...   state = tx.init(params)
     ...   first = tx.update(g, state, params)[1]
     ...   return first, tx.update(g, first, params)[1]
-    >>> first, second = jax.vmap(two_steps, axis_name="data", axis_size=4)(grads)
+    >>> first, second = jax.jit(jax.vmap(two_steps, axis_name="data", axis_size=4))(grads)
     >>> type(second).__name__, second.residual.shape  # [worker, N]: a residual each
     ('ExDynaState', (4, 8192))
 
