@@ -25,6 +25,7 @@ from jax import P
 
 from exdyna_jax.core import _stats
 from exdyna_jax.parallel import _dp_checks, _mesh_axes
+from exdyna_jax.parallel._worker_map import per_worker_map
 from exdyna_jax.shell import _per_shard
 from exdyna_jax.wrappers import _local_steps
 
@@ -220,7 +221,9 @@ def data_parallel(
   def init(params):
     _mesh_axes.refuse_axes_it_does_not_split(tx, params, mesh, axis_name)
     params = place_params(params, mesh, axis_name)
-    opt_state = jax.jit(shard(lambda p: add_worker_axis(tx.init(p)), P(), per_worker))(params)
+    # keep_unused: a state of constants (dense's) still takes its devices from the params.
+    opt_state = jax.jit(shard(lambda p: add_worker_axis(tx.init(p)), P(), per_worker),
+                        keep_unused=True)(params)
     _dp_checks.refuse_unexchanged_leaves(params, opt_state)
     _dp_checks.warn_if_not_first(opt_state, params)
     _dp_checks.warn_if_moments_after(opt_state)
@@ -299,22 +302,6 @@ def require_data_parallel(dp: Any, call: str) -> None:
         f"{call} takes what exdyna_jax.data_parallel(tx, mesh) returns first, got "
         f"{type(dp).__name__}."
     )
-
-
-def per_worker_map(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], fn: Callable,
-                   in_specs: Any, out_specs: Any) -> Callable:
-  """``jax.shard_map`` of a per-worker function, gradients kept local.
-
-  Manual over the data axes only: the mesh's other axes (a ``model`` axis)
-  stay XLA's to partition, so parameters sharded over them stay so, and the
-  model's own code runs as under ``jax.jit``.
-
-  ``check_vma=False``: gradients stay local (no implicit psum of the gradient
-  of replicated params), and the sparsifier's output, identical on every
-  worker by construction, may leave through a replicated out_spec.
-  """
-  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False,
-                       axis_names=frozenset(_mesh_axes.data_axes(axis_name)))
 
 
 def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
