@@ -8,11 +8,9 @@ default: each device sparsifies its own shards) and Auto ones (the
 sparsifier sees the whole gradient), dense and ExDyna at d = 0.01: the
 median blocked step over ``--steps`` steps, each configuration timed
 ``--repeats`` times interleaved; the compiled step's
-``memory_analysis()`` and its collectives (``collectives``: on JAX 0.10.2
-Shardy adds an all-gather of every input typed over the Explicit model axis
-at the data axis' ``shard_map`` boundary; GSPMD adds none, docs/sharded_models.md);
-the residual a device holds; the indices the timed
-steps sent over the ``k`` they asked for, summed over the shards.
+``memory_analysis()`` and its collectives (``collectives``); the residual a
+device holds; the indices the timed steps sent over the ``k`` they asked
+for, summed over the shards.
 
 Run: python -m benchmarks.sharded_step [--repeats 3] [--steps 20]
 """
