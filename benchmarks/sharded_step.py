@@ -3,7 +3,7 @@
 A 2.1M-parameter MLP (``D = 512``, ``H = 2048``; the first kernel split by
 columns over ``"model"``, the second by rows, the bias replicated) on a
 ``(4, 2)`` mesh of the 8 forced CPU devices, ``chain(method, sgd)`` under
-`data_parallel`, a batch of 64. For Explicit model axes (``jax.make_mesh``'s
+`data_parallel`, a batch of 64 (``--batch``). For Explicit model axes (``jax.make_mesh``'s
 default: each device sparsifies its own shards) and Auto ones (the
 sparsifier sees the whole gradient), dense and ExDyna at d = 0.01: the
 median blocked step over ``--steps`` steps, each configuration timed
@@ -12,7 +12,7 @@ median blocked step over ``--steps`` steps, each configuration timed
 device holds; the indices the timed steps sent over the ``k`` they asked
 for, summed over the shards.
 
-Run: python -m benchmarks.sharded_step [--repeats 3] [--steps 20]
+Run: python -m benchmarks.sharded_step [--repeats 3] [--steps 20] [--batch 64]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def loss_fn(params, batch):
   return jnp.mean((jnp.matmul(hidden, params["w2"], out_sharding=P()) + params["b"] - y) ** 2)
 
 
-def configuration(axis_type: str, method: str):
+def configuration(axis_type: str, method: str, batch: int = BATCH):
   """``(step, params, opt_state, batch, dp)`` of one configuration, compiled and warmed up."""
   kind = getattr(jax.sharding.AxisType, axis_type)
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(kind, kind))
@@ -60,7 +60,7 @@ def configuration(axis_type: str, method: str):
     updates, opt_state = tx.update(jax.grad(loss_fn)(params, batch), opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  x = jax.random.normal(k3, (BATCH, D))
+  x = jax.random.normal(k3, (batch, D))
   opt_state = dp.init(params)
   for _ in range(3):
     params, opt_state = step(params, opt_state, (x, x))
@@ -107,13 +107,14 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--batch", type=int, default=BATCH, help="examples a step, all workers")
   parser.add_argument("--out", type=pathlib.Path,
                       default=_common.RESULTS / "sharded_step.json")
   args = parser.parse_args(argv)
   _common.force_devices(8)
   names = [(axis_type, method) for axis_type in ("Explicit", "Auto")
            for method in ("dense", "exdyna")]
-  configs = {name: configuration(*name) for name in names}
+  configs = {name: configuration(*name, args.batch) for name in names}
   warm = {name: totals(config) for name, config in configs.items()}
   medians = {name: [] for name in names}
   for _ in range(args.repeats):  # interleaved
@@ -125,7 +126,7 @@ def main(argv=None) -> dict:
           for axis_type, method in names]
   for row in rows:
     print(json.dumps(row))
-  result = {"parameters": D * H * 2 + D, "density": DENSITY, "rows": rows}
+  result = {"parameters": D * H * 2 + D, "density": DENSITY, "batch": args.batch, "rows": rows}
   _common.write_json(args.out, result)
   return result
 
