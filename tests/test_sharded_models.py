@@ -230,10 +230,11 @@ def test_density_one_on_sharded_params_is_dense():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), exact, dense)
 
 
-def test_a_jit_step_of_ones_own_steps_sharded_params_as_replicated():
+@pytest.mark.parametrize("axis_type", [AUTO, EXPLICIT])
+def test_a_jit_step_of_ones_own_steps_sharded_params_as_the_decorated_step(axis_type):
   """pjit style: ``dp.value_and_grad`` and ``dp.update`` in a ``jax.jit`` of the user's, whose
-  ``out_shardings`` keep the parameters' shardings."""
-  mesh = mesh_of(AUTO, AUTO)
+  ``out_shardings`` keep the parameters' shardings, step as ``dp.step`` does."""
+  mesh = mesh_of(axis_type, axis_type)
   tx = optax.chain(exdyna_jax.exdyna(0.1), optax.sgd(0.1))
   dp = exdyna_jax.data_parallel(tx, mesh)
   params = sharded(init_params(), mesh)
@@ -249,7 +250,7 @@ def test_a_jit_step_of_ones_own_steps_sharded_params_as_replicated():
   for batch in batches(3):
     params, opt_state = step(params, opt_state, jax.device_put(batch, split))
   assert {name: leaf.sharding.spec for name, leaf in params.items()} == SPECS
-  expected, _ = train(exdyna_jax.exdyna(0.1), init_params(), mesh, steps=3)
+  expected, _ = train(exdyna_jax.exdyna(0.1), sharded(init_params(), mesh), mesh, steps=3)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                params, expected)
 
