@@ -366,6 +366,21 @@ def test_on_explicit_axes_nothing_is_gathered_at_the_data_axis_boundary():
   assert len(exdyna) <= 8 and max(size for _, size in exdyna) < largest_leaf, exdyna
 
 
+def test_the_data_axis_type_and_a_model_axis_of_one_device_change_nothing():
+  """An Auto data axis beside an Explicit model axis steps as both Explicit; an Explicit
+  model axis of one device steps as the params replicated."""
+  def trained(shape, types):
+    mesh = jax.make_mesh(shape, ("data", "model"), axis_types=types)
+    params, _ = train(exdyna_jax.exdyna(0.1), sharded(init_params(), mesh), mesh, steps=3)
+    assert {name: leaf.sharding.spec for name, leaf in params.items()} == SPECS
+    return params
+
+  for one, other in ((((4, 2), (AUTO, EXPLICIT)), ((4, 2), (EXPLICIT, EXPLICIT))),
+                     (((8, 1), (EXPLICIT, EXPLICIT)), ((8, 1), (AUTO, AUTO)))):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                 trained(*one), trained(*other))
+
+
 def test_a_state_cut_to_fit_is_stopped_on_explicit_axes_too():
   """The guard's host check where Explicit axes are left to XLA (JAX cannot lower a
   callback there by itself: it runs in a ``shard_map`` of its own over them)."""

@@ -89,6 +89,8 @@ def explicit_inside(fn: Callable, mesh: jax.sharding.Mesh, data_axes: tuple[str,
   explicit = explicit_axes_besides(mesh, data_axes)
   auto_mesh = mesh.abstract_mesh.update_axis_types(
       {name: jax.sharding.AxisType.Auto for name in explicit})
+  untyped = tuple(name for name in data_axes  # data axes no type names: XLA's to place
+                  if mesh.axis_types[mesh.axis_names.index(name)] != jax.sharding.AxisType.Explicit)
 
   def mapped(*args):
     inner_specs = jax.tree.map(lambda x: without(spec_of(x), data_axes), args)
@@ -105,8 +107,8 @@ def explicit_inside(fn: Callable, mesh: jax.sharding.Mesh, data_axes: tuple[str,
       results = jax.shard_map(inner, mesh=auto_mesh, in_specs=in_specs, out_specs=out_specs,
                               axis_names=frozenset(data_axes), check_vma=False)(*args)
     outer = jax.tree.broadcast(out_specs, results, is_leaf=lambda x: isinstance(x, P))
-    specs = jax.tree.map(lambda o, i, r: joined(o, i, r.ndim), outer, result_specs[-1], results,
-                         is_leaf=lambda x: isinstance(x, P))
+    specs = jax.tree.map(lambda o, i, r: joined(without(o, untyped), i, r.ndim),
+                         outer, result_specs[-1], results, is_leaf=lambda x: isinstance(x, P))
     return jax.sharding.reshard(results, jax.tree.map(lambda s: jax.NamedSharding(mesh, s), specs))
 
   return mapped
