@@ -27,6 +27,7 @@ import jax
 from jax import P
 
 from exdyna_jax.parallel import _mesh_axes
+from exdyna_jax.shell._per_shard import spec_of
 
 
 def per_worker_map(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], fn: Callable,
@@ -67,11 +68,6 @@ def joined(outer: P, inner: P, ndim: int) -> P:
              for o, i in zip(padded(outer), padded(inner), strict=True)))
 
 
-def spec_of(x: Any) -> P:
-  """The partition spec in ``x``'s type (replicated for a Python scalar)."""
-  return jax.typeof(x).sharding.spec
-
-
 def explicit_inside(fn: Callable, mesh: jax.sharding.Mesh, data_axes: tuple[str, ...],
                     in_specs: Any, out_specs: Any) -> Callable:
   """``jax.shard_map(fn, ...)`` manual over ``data_axes``, the mesh's Explicit axes kept.
@@ -89,7 +85,7 @@ def explicit_inside(fn: Callable, mesh: jax.sharding.Mesh, data_axes: tuple[str,
   explicit = explicit_axes_besides(mesh, data_axes)
   auto_mesh = mesh.abstract_mesh.update_axis_types(
       {name: jax.sharding.AxisType.Auto for name in explicit})
-  untyped = tuple(name for name in data_axes  # data axes no type names: XLA's to place
+  untyped = tuple(name for name in data_axes  # not Explicit: a type may not name them
                   if mesh.axis_types[mesh.axis_names.index(name)] != jax.sharding.AxisType.Explicit)
 
   def mapped(*args):
