@@ -361,7 +361,7 @@ def test_on_explicit_axes_nothing_is_gathered_at_the_data_axis_boundary():
   axes the collectives it runs on Auto ones, and ExDyna's per-shard step gathers no
   parameter and no state leaf whole, only what it sends and a replicated leaf's update."""
   assert compiled_collectives("dense", EXPLICIT) == compiled_collectives("dense", AUTO)
-  largest_leaf = 16 * 32 * 4  # w1's bytes; the residual of a shard's row is larger still
+  largest_leaf = 16 * 32 * 4  # w1's bytes; a worker's whole residual is larger still
   exdyna = compiled_collectives("exdyna", EXPLICIT)
   assert len(exdyna) <= 8 and max(size for _, size in exdyna) < largest_leaf, exdyna
 
