@@ -27,7 +27,7 @@ import jax
 from jax import P
 
 from exdyna_jax.parallel import _mesh_axes
-from exdyna_jax.shell._per_shard import spec_of
+from exdyna_jax.shell._per_shard import axes_named, spec_of
 
 
 def per_worker_map(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...], fn: Callable,
@@ -46,11 +46,6 @@ def explicit_axes_besides(mesh: jax.sharding.Mesh, data_axes: tuple[str, ...]) -
                if kind == jax.sharding.AxisType.Explicit and name not in data_axes)
 
 
-def _names(entry: Any) -> tuple[str, ...]:
-  """The mesh axes a partition spec's entry names."""
-  return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
 def _entry(names: tuple[str, ...]) -> Any:
   """The partition spec's entry that names ``names``."""
   return names[0] if len(names) == 1 else (names or None)
@@ -58,13 +53,14 @@ def _entry(names: tuple[str, ...]) -> Any:
 
 def without(spec: P, axes: tuple[str, ...]) -> P:
   """``spec`` with the mesh axes ``axes`` taken out of every entry."""
-  return P(*(_entry(tuple(name for name in _names(entry) if name not in axes)) for entry in spec))
+  return P(*(_entry(tuple(name for name in axes_named(entry) if name not in axes))
+             for entry in spec))
 
 
 def joined(outer: P, inner: P, ndim: int) -> P:
   """The spec of a result whose dimension ``i`` is split over ``outer[i]``, then ``inner[i]``."""
   padded = lambda spec: (*spec, *(None,) * (ndim - len(spec)))  # noqa: E731
-  return P(*(_entry(_names(o) + _names(i))
+  return P(*(_entry(axes_named(o) + axes_named(i))
              for o, i in zip(padded(outer), padded(inner), strict=True)))
 
 

@@ -56,10 +56,14 @@ def spec_of(leaf: jax.Array) -> P:
   return jax.typeof(leaf).sharding.spec
 
 
+def axes_named(entry: Any) -> tuple[str, ...]:
+  """The mesh axes a partition spec's entry names (None, one name, or a tuple of them)."""
+  return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def replicated_over(leaf: jax.Array, axes: tuple[str, ...]) -> tuple[str, ...]:
   """The ``axes`` the leaf's spec does not name: every device along them holds all of it."""
-  named = {name for entry in spec_of(leaf) if entry is not None
-           for name in ((entry,) if isinstance(entry, str) else entry)}
+  named = {name for entry in spec_of(leaf) for name in axes_named(entry)}
   return tuple(axis for axis in axes if axis not in named)
 
 
