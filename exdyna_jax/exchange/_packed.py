@@ -1,16 +1,18 @@
-"""A compact wire: chunk offsets in ``log2 L`` bits, values in 2 to 32 bits, one all-gather.
+"""A compact wire: chunk offsets in ``log2 L`` bits, values in 1 to 32 bits, one all-gather.
 
 A worker that picks the same number ``m`` of elements in every chunk of
 ``L`` elements (``L <= 65536``) need not send its indices in 32 bits: the
 position of a pick in its message says its chunk, and its offset in the
 chunk fits ``ceil(log2 L)`` bits (12 for chunks of 4,096), packed into a
 stream of bytes. Its values go as a float dtype (float32, bfloat16,
-float16: ``values_as`` a dtype) or in ``b`` = 2, 4 or 8 bits
+float16: ``values_as`` a dtype) or in ``b`` = 1, 2, 4 or 8 bits
 (``values_as`` the int ``b``): a sign bit and ``b - 1`` bits of
 magnitude, on a scale per chunk (the chunk's largest magnitude picked, a
-float32), packed ``8 / b`` to a byte. One ``all_gather`` of a byte buffer
+float32; for one bit, the sign alone on the picks' mean magnitude), packed
+``8 / b`` to a byte. One ``all_gather`` of a byte buffer
 moves all of it; every worker decodes every message to the same
-``(indices, values)``.
+``(indices, values)``. Whole chunks (``m = L``: every element, in place)
+go without offsets.
 
 What the rounding takes from a worker's values is its own to keep: the
 caller keeps ``accumulated - decoded`` in its residual (error feedback), as
@@ -28,7 +30,7 @@ import numpy as np
 from exdyna_jax.core import _collectives
 
 MAX_CHUNK = 1 << 16  # offsets in a chunk take at most 16 bits
-VALUE_BITS = (2, 4, 8)  # quantized values, on a scale per chunk
+VALUE_BITS = (1, 2, 4, 8)  # quantized values, on a scale per chunk
 SCALE_BYTES = 4
 
 ValuesAs = Any  # a float dtype (float32, bfloat16, float16) or an int of `VALUE_BITS`
@@ -59,7 +61,7 @@ def offset_bits(length: int) -> int:
 def message_bytes(chunks: int, per_chunk: int, length: int, values_as: ValuesAs) -> int:
   """Bytes of one worker's message: its offsets, values and (quantized) scales."""
   picks = chunks * per_chunk
-  offsets = -(-picks * offset_bits(length) // 8)
+  offsets = _offset_bytes(picks, per_chunk, length)
   if not quantized(values_as):
     return offsets + np.dtype(values_as).itemsize * picks
   return offsets + -(-picks * values_as // 8) + chunks * SCALE_BYTES
@@ -70,9 +72,13 @@ def quantize(values: jax.Array, value_bits: int) -> tuple[jax.Array, jax.Array]:
 
   A code is the sign (its top bit) and the magnitude's level ``q`` below
   ``2**(b - 1)``: ``|v| / scale`` cut into equal steps (`dequantize` reads
-  each step's middle).
+  each step's middle), the scale the chunk's largest magnitude. One bit is
+  the sign alone, on the chunk's mean magnitude (the scale that loses the
+  least: a scaled sign).
   """
   levels = 1 << (value_bits - 1)
+  if value_bits == 1:
+    return jnp.where(values < 0, jnp.uint8(1), jnp.uint8(0)), jnp.mean(jnp.abs(values), axis=1)
   scales = jnp.max(jnp.abs(values), axis=1)
   ratio = jnp.abs(values) / jnp.where(scales > 0, scales, 1.0)[:, None]
   level = jnp.minimum(jnp.floor(ratio * levels), levels - 1).astype(jnp.uint8)
@@ -82,8 +88,10 @@ def quantize(values: jax.Array, value_bits: int) -> tuple[jax.Array, jax.Array]:
 def dequantize(codes: jax.Array, scales: jax.Array, value_bits: int) -> jax.Array:
   """float32 values of ``codes`` (``[..., chunks, m]``) on ``scales`` (``[..., chunks]``)."""
   levels = 1 << (value_bits - 1)
-  magnitude = ((codes & (levels - 1)).astype(jnp.float32) + 0.5) / levels
   sign = jnp.where(codes & levels, -1.0, 1.0)
+  if value_bits == 1:
+    return sign * scales[..., None]
+  magnitude = ((codes & (levels - 1)).astype(jnp.float32) + 0.5) / levels
   return sign * magnitude * scales[..., None]
 
 
@@ -95,8 +103,13 @@ def rounded(values: jax.Array, values_as: ValuesAs) -> jax.Array:
 
 
 def encode(picks: Picks, length: int, values_as: ValuesAs) -> jax.Array:
-  """uint8 ``[message_bytes]``: the offsets, then the values (and the scales)."""
-  offsets = _bit_stream(picks.offsets.reshape(-1), offset_bits(length))
+  """uint8 ``[message_bytes]``: the offsets, then the values (and the scales).
+
+  Whole chunks (``m = L``, every element in place: offsets ``0 .. L - 1``)
+  go without offsets.
+  """
+  offsets = (jnp.zeros((0,), jnp.uint8) if picks.offsets.shape[1] == length
+             else _bit_stream(picks.offsets.reshape(-1), offset_bits(length)))
   if not quantized(values_as):
     return jnp.concatenate([offsets, _as_bytes(_narrowed(picks.values.reshape(-1), values_as))])
   codes, scales = quantize(picks.values, values_as)
@@ -108,9 +121,11 @@ def decode(message: jax.Array, chunks: int, per_chunk: int, length: int,
   """The `Picks` of a message (``[..., message_bytes]``, any leading axes)."""
   lead, picks = message.shape[:-1], chunks * per_chunk
   shape = (*lead, chunks, per_chunk)
-  bits = offset_bits(length)
-  offset_bytes = -(-picks * bits // 8)
-  offsets = _fields(message[..., :offset_bytes], picks, bits).astype(jnp.int32)
+  offset_bytes = _offset_bytes(picks, per_chunk, length)
+  if per_chunk == length:
+    offsets = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (*lead, chunks, length))
+  else:
+    offsets = _fields(message[..., :offset_bytes], picks, offset_bits(length)).astype(jnp.int32)
   rest = message[..., offset_bytes:]
   if not quantized(values_as):
     return Picks(offsets.reshape(shape),
@@ -126,6 +141,11 @@ def gather(picks: Picks, length: int, axis_name: str, values_as: ValuesAs) -> Pi
   chunks, per_chunk = picks.offsets.shape
   gathered = _collectives.all_gather(encode(picks, length, values_as), axis_name)
   return decode(gathered, chunks, per_chunk, length, values_as)
+
+
+def _offset_bytes(picks: int, per_chunk: int, length: int) -> int:
+  """Bytes of a message's offsets: none for whole chunks (every element, in place)."""
+  return 0 if per_chunk == length else -(-picks * offset_bits(length) // 8)
 
 
 def _narrowed(values: jax.Array, dtype) -> jax.Array:

@@ -30,7 +30,7 @@ def chunked_topk(
   chunks)`` largest magnitudes of each chunk (``k = floor(density * N)``),
   so the position of a pick in its message names its chunk, and its offset
   in the chunk fits ``ceil(log2 L)`` bits (12 for the default). Values go
-  in ``value_dtype``, or with ``value_bits`` in 8, 4 or 2 bits on a scale
+  in ``value_dtype``, or with ``value_bits`` in 8, 4, 2 or 1 bits on a scale
   per chunk (`_packed`). One ``all_gather`` of each worker's bytes; every
   worker decodes all of them and the update is the sum of every worker's
   sent values over ``n``, at the union of their picks. Each worker keeps in
@@ -44,6 +44,12 @@ def chunked_topk(
   mean at an index only some workers picked is their sum over ``n``: the
   others keep their part.
 
+  With ``value_bits``, a density of 1.0 sends every element of every chunk
+  in place, so the message needs no offsets: ``b`` bits an element and a
+  scale a chunk (1 bit: the sign on the chunk's mean magnitude, a scaled
+  sign with error feedback). With float values a density of 1.0 is the
+  exact dense mean, as a schedule's level of 1.0 always is.
+
   The stats count ``selected = n k'`` and ``transmitted`` = the distinct
   indices sent (``k' = m chunks >= k``, each worker's ``workloads``;
   ``target`` is ``k``); ``threshold`` is the smallest magnitude sent.
@@ -55,9 +61,9 @@ def chunked_topk(
       ``(0, 1]``, or a schedule ``{first_step: density}`` (:doc:`/usage`).
     chunk: elements per chunk, ``L``, at most 65,536 (an offset takes
       ``ceil(log2 L)`` bits); a model smaller than it is one chunk.
-    value_bits: None (default: values in ``value_dtype``), or 8, 4 or 2: a
-      sign and ``b - 1`` bits of magnitude, the chunk's largest magnitude
-      picked its scale.
+    value_bits: None (default: values in ``value_dtype``), or 8, 4, 2 or 1:
+      a sign and ``b - 1`` bits of magnitude, the chunk's largest magnitude
+      picked its scale (for 1, the sign alone on the mean magnitude picked).
     axis_name: name of the data-parallel axis.
     value_dtype: float32 (default), bfloat16 or float16: the values' dtype
       on the wire where ``value_bits`` is None.
@@ -97,13 +103,16 @@ def chunked_topk(
   def sparsify(accumulated, stats, num_workers, k):
     num_elements = accumulated.shape[0]
     length = min(chunk, num_elements)
-    per_chunk = min(length, -(-k // -(-num_elements // length)))
+    per_chunk = length if k == num_elements else min(length, -(-k // -(-num_elements // length)))
     picks = pick_in_chunks(accumulated, length, per_chunk)
     _exchange.check_gathered_size(num_workers, picks.offsets.size)
     gathered = _packed.gather(picks, length, axis_name, values_as)
     indices = flat_indices(gathered.offsets, length, num_elements)
     values = gathered.values.reshape(-1)
-    sparse, transmitted = summed(accumulated, indices, values, axis_name)
+    if per_chunk == length:
+      sparse, transmitted = averaged(accumulated, values, axis_name)
+    else:
+      sparse, transmitted = summed(accumulated, indices, values, axis_name)
     new_stats = _stats.unpartitioned_stats(
         stats,
         threshold=jnp.min(jnp.where(indices < num_elements, jnp.abs(values), jnp.inf)),
@@ -118,7 +127,8 @@ def chunked_topk(
     )
     return sparse, new_stats
 
-  return _feedback.fixed_budget_transform(density, axis_name=axis_name, sparsify=sparsify)
+  return _feedback.fixed_budget_transform(density, axis_name=axis_name, sparsify=sparsify,
+                                         dense_at_one=not _packed.quantized(values_as))
 
 
 def checked_values_as(chunk: int, value_bits: int | None, value_dtype: Any) -> _packed.ValuesAs:
@@ -138,9 +148,12 @@ def checked_values_as(chunk: int, value_bits: int | None, value_dtype: Any) -> _
 
 
 def pick_in_chunks(accumulated: jax.Array, length: int, per_chunk: int) -> _packed.Picks:
-  """The ``per_chunk`` largest magnitudes of each chunk of ``length`` (the tail zero-padded)."""
+  """The ``per_chunk`` largest magnitudes of each chunk of ``length`` (the tail zero-padded);
+  all of them, in place, where ``per_chunk`` is ``length``."""
   chunks = -(-accumulated.shape[0] // length)
   rows = jnp.pad(accumulated, (0, chunks * length - accumulated.shape[0])).reshape(chunks, length)
+  if per_chunk == length:
+    return _packed.Picks(jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), rows.shape), rows)
   return _packed.Picks(*_selection.top_k_of_rows(rows, per_chunk))
 
 
@@ -148,6 +161,18 @@ def flat_indices(offsets: jax.Array, length: int, num_elements: int) -> jax.Arra
   """int32 ``[n chunks m]`` indices of the gathered ``offsets``; past ``N``: the sentinel."""
   starts = length * jnp.arange(offsets.shape[-2], dtype=jnp.int32)[:, None]
   return jnp.minimum(starts + offsets, num_elements).reshape(-1)
+
+
+def averaged(accumulated: jax.Array, values: jax.Array, axis_name: str
+             ) -> tuple[_exchange.SparseUpdate, jax.Array]:
+  """Every element sent (``values`` ``[n chunks L]``, worker-major): the workers' mean, and
+  ``N``. This worker keeps what the rounding took from its own values."""
+  num_workers, num_elements = _collectives.axis_size(axis_name), accumulated.shape[0]
+  values = values.reshape(num_workers, -1)[:, :num_elements]
+  own = values[jax.lax.axis_index(axis_name)]
+  return _exchange.SparseUpdate(jnp.arange(num_elements, dtype=jnp.int32),
+                                jnp.sum(values, axis=0) / num_workers,
+                                kept=accumulated - own), jnp.int32(num_elements)
 
 
 def summed(accumulated: jax.Array, indices: jax.Array, values: jax.Array, axis_name: str

@@ -302,6 +302,7 @@ def fixed_budget_transform(
     axis_name: str,
     sparsify: BudgetSparsifyFn,
     initial_threshold: Callable[[int], float] = lambda k: 0.0,
+    dense_at_one: bool = True,
 ) -> _collectives.Sparsifier:
   """An `error_feedback_transform` that picks ``k = floor(density * N)`` per step.
 
@@ -315,6 +316,9 @@ def fixed_budget_transform(
     sparsify: ``(accumulated, stats, n, k) -> (sparse_update, stats)``.
     initial_threshold: ``k -> `` the threshold the stats report before the
       first step (0 by default, for methods without one).
+    dense_at_one: whether a ``density`` of 1.0 is the exact dense all-reduce
+      (the default, as a schedule's dense level always is), or ``sparsify``
+      with ``k = N`` (a method whose wire rounds every value).
 
   Returns:
     The optax transformation; its state is an `ErrorFeedbackState`.
@@ -334,10 +338,12 @@ def fixed_budget_transform(
 
     return stats_step(sparsify_k)
 
+  every_element = not dense_at_one and len(levels) == 1
   return error_feedback_transform(
       axis_name=axis_name,
       init_state=init_state,
-      step=_density_schedule.scheduled_step(levels, step_for, axis_name),
+      step=(step_for(levels[0].density) if every_element
+            else _density_schedule.scheduled_step(levels, step_for, axis_name)),
   )
 
 

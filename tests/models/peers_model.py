@@ -245,18 +245,22 @@ def wire_values(values: np.ndarray, values_as) -> np.ndarray:
 
   A dtype name: in that dtype (float16 clipped to +-65,504). An int ``b``:
   a sign and a level ``q < L = 2**(b-1)`` of ``|v| / s`` (``s`` the chunk's
-  largest picked magnitude), read back as ``(q + 1/2) / L * s``.
+  largest picked magnitude), read back as ``(q + 1/2) / L * s``; one bit:
+  the sign on the chunk's mean picked magnitude.
   """
   if not isinstance(values_as, int):
     dtype = {"bfloat16": ml_dtypes.bfloat16}.get(str(values_as), np.dtype(values_as))
     limit = F32(ml_dtypes.finfo(dtype).max) if dtype != np.float32 else np.inf
     return np.clip(values, -limit, limit).astype(dtype).astype(F32)
   value_bits = values_as
+  sign = np.where(values < 0, F32(-1), F32(1))
+  if value_bits == 1:
+    return sign * np.mean(np.abs(values), axis=1, keepdims=True, dtype=F32)
   levels = F32(2 ** (value_bits - 1))
   scales = np.max(np.abs(values), axis=1, keepdims=True)
   ratio = np.abs(values) / np.where(scales > 0, scales, F32(1))
   level = np.minimum(np.floor(ratio * levels), levels - 1)
-  return np.where(values < 0, F32(-1), F32(1)) * ((level + F32(0.5)) / levels) * scales
+  return sign * ((level + F32(0.5)) / levels) * scales
 
 
 def chunked_topk(grads: np.ndarray, density: float, chunk: int, values_as) -> Trace:
@@ -269,7 +273,8 @@ def chunked_topk(grads: np.ndarray, density: float, chunk: int, values_as) -> Tr
   num_workers, num_steps, num_elements = grads.shape
   length = min(chunk, num_elements)
   chunks = -(-num_elements // length)
-  per_chunk = min(length, -(-target(density, num_elements) // chunks))
+  k = target(density, num_elements)
+  per_chunk = length if k == num_elements else min(length, -(-k // chunks))  # 1.0: everything
   residuals = np.zeros((num_workers, num_elements), F32)
   record = _Recorder()
   for t in range(num_steps):
