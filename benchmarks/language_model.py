@@ -19,7 +19,8 @@ scales its peak rate by ``F``, e.g. ``sparse_adamw_topk_steered@0.00125@2xlr``):
   Nesterov (0.7, 0.9);
 - ``local@H@D``: `local_steps` with ``exdyna(D)`` and the default outer
   step (rate 1); ``local@H@D@bf16``: bfloat16 values (with
-  ``chunked_topk``, ``@8``, ``@4``, ``@2``: values in that many bits);
+  ``chunked_topk``, ``@8``, ``@4``, ``@2``, ``@1``: values in that many bits;
+  ``local_chunked_topk@100@1.0@1``: every element in 1 bit, no offsets);
 - ``sparse_adamw_dense``: ``sparse_adamw(dense())``, the recipe with nothing
   left out (Adam without momentum on the workers' mean);
 - ``sparse_adamw_oracle@D``: ``sparse_adamw`` whose exchange is a dense mean
