@@ -316,9 +316,9 @@ def fixed_budget_transform(
     sparsify: ``(accumulated, stats, n, k) -> (sparse_update, stats)``.
     initial_threshold: ``k -> `` the threshold the stats report before the
       first step (0 by default, for methods without one).
-    dense_at_one: whether a ``density`` of 1.0 is the exact dense all-reduce
-      (the default, as a schedule's dense level always is), or ``sparsify``
-      with ``k = N`` (a method whose wire rounds every value).
+    dense_at_one: whether a lone ``density`` of 1.0 is the exact dense
+      all-reduce (the default; a schedule's level of 1.0 always is), or
+      ``sparsify`` with ``k = N`` (for a wire that rounds every value).
 
   Returns:
     The optax transformation; its state is an `ErrorFeedbackState`.
@@ -338,13 +338,11 @@ def fixed_budget_transform(
 
     return stats_step(sparsify_k)
 
-  every_element = not dense_at_one and len(levels) == 1
-  return error_feedback_transform(
-      axis_name=axis_name,
-      init_state=init_state,
-      step=(step_for(levels[0].density) if every_element
-            else _density_schedule.scheduled_step(levels, step_for, axis_name)),
-  )
+  if len(levels) == 1 and not dense_at_one:  # a lone 1.0 too is sparsify's, k = N
+    step = step_for(levels[0].density)
+  else:
+    step = _density_schedule.scheduled_step(levels, step_for, axis_name)
+  return error_feedback_transform(axis_name=axis_name, init_state=init_state, step=step)
 
 
 def unpartitioned_initial_stats(
