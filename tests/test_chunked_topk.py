@@ -75,7 +75,7 @@ def test_matches_the_numpy_model_step_by_step(case):
   one_bit = CASES[case][0] == 1
   np.testing.assert_allclose(updates[0], trace.updates, rtol=1e-4 if one_bit else 1e-6,
                              atol=1e-7 if one_bit else 1e-9)
-  np.testing.assert_allclose(  # each its own, exact
+  np.testing.assert_allclose(  # each its own: exact, but for one bit
       states.residual, trace.residuals, rtol=1e-4 if one_bit else 0, atol=1e-6 if one_bit else 0)
   previous = np.concatenate([np.zeros_like(trace.residuals[:, :1]), trace.residuals[:, :-1]], 1)
   np.testing.assert_allclose(  # nothing lost: sum_w m_w + n u == sum_w a_w
