@@ -20,7 +20,9 @@ scales its peak rate by ``F``, e.g. ``sparse_adamw_topk_steered@0.00125@2xlr``):
 - ``local@H@D``: `local_steps` with ``exdyna(D)`` and the default outer
   step (rate 1); ``local@H@D@bf16``: bfloat16 values (with
   ``chunked_topk``, ``@8``, ``@4``, ``@2``, ``@1``: values in that many bits;
-  ``local_chunked_topk@100@1.0@1``: every element in 1 bit, no offsets);
+  ``local_chunked_topk@100@1.0@1``: every element in 1 bit, no offsets;
+  ``@1ar``: the same on a quantized all-reduce, ``wire="all_reduce"``, the
+  owners' means in 2 bits);
 - ``sparse_adamw_dense``: ``sparse_adamw(dense())``, the recipe with nothing
   left out (Adam without momentum on the workers' mean);
 - ``sparse_adamw_oracle@D``: ``sparse_adamw`` whose exchange is a dense mean
@@ -77,9 +79,11 @@ DEFAULT_VARIANTS = (
 
 def chunked_topk(density: float, value_dtype: str = "float32") -> optax.GradientTransformation:
   """`exdyna_jax.chunked_topk`, its values named as the other compressors' (``bfloat16``)
-  or by their bits (``8``, ``4``, ``2``)."""
-  if value_dtype.isdigit():
-    return exdyna_jax.chunked_topk(density, value_bits=int(value_dtype))
+  or by their bits (``8``, ``4``, ``2``; ``1ar``: one bit on ``wire="all_reduce"``)."""
+  if value_dtype.removesuffix("ar").isdigit():
+    wire = "all_reduce" if value_dtype.endswith("ar") else "all_gather"
+    return exdyna_jax.chunked_topk(density, value_bits=int(value_dtype.removesuffix("ar")),
+                                   wire=wire)
   return exdyna_jax.chunked_topk(density, value_dtype=value_dtype)
 
 

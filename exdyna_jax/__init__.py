@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING, Any
 from exdyna_jax.core._collectives import Sparsifier
 from exdyna_jax.core._stats import SparsifierStats, get_stats, read_totals
 from exdyna_jax.exchange._network import Network
-from exdyna_jax.methods._chunked_topk import chunked_topk
+from exdyna_jax.methods._chunked_topk import QuantizedMeanState, chunked_topk
 from exdyna_jax.methods._cltk import cltk
 from exdyna_jax.methods._dense import DenseState, dense
 from exdyna_jax.methods._hard_threshold import hard_threshold
@@ -50,6 +50,7 @@ __all__ = [
     "LocalRMSState",
     "LocalStepsState",
     "Network",
+    "QuantizedMeanState",
     "SparDLRounds",
     "SparDLState",
     "Sparsifier",

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import exdyna_jax
+from exdyna_jax import hlo
 from exdyna_jax.exchange import _packed
 from tests import harness
 from tests.models import peers_model
@@ -63,6 +64,16 @@ def run_case(case: str):
                          for leaf in jax.tree.leaves(updates)], axis=-1)
   return grads, flat, harness.to_numpy(states), peers_model.chunked_topk(
       grads, density, chunk, values_as)
+
+
+def compiled_step(tx, grads) -> str:
+  """The text of ``tx``'s steps over ``grads`` compiled under ``shard_map``, a worker a device."""
+  per_worker = harness._scan_steps(tx, PARAMS)
+  step = jax.jit(jax.shard_map(
+      lambda g: jax.tree.map(lambda x: x[None], per_worker(jax.tree.map(lambda x: x[0], g))),
+      mesh=harness.mesh_of(NUM_WORKERS), in_specs=jax.P(harness.AXIS),
+      out_specs=jax.P(harness.AXIS)))
+  return step.lower(grads).compile().as_text()
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -145,12 +156,7 @@ def test_the_wire_is_one_all_gather_of_bytes():
   stats' bytes are that all-gather's on a ring, beside the guard's screen."""
   tx = exdyna_jax.chunked_topk(0.05, chunk=512, value_bits=2)
   grads = harness.unflatten_like(flat_gradients()[:, :1], PARAMS)
-  per_worker = harness._scan_steps(tx, PARAMS)
-  step = jax.jit(jax.shard_map(
-      lambda g: jax.tree.map(lambda x: x[None], per_worker(jax.tree.map(lambda x: x[0], g))),
-      mesh=harness.mesh_of(NUM_WORKERS), in_specs=jax.P(harness.AXIS),
-      out_specs=jax.P(harness.AXIS)))
-  text = step.lower(grads).compile().as_text()
+  text = compiled_step(tx, grads)
   message = _packed.message_bytes(5, 22, 512, 2)  # ceil(107 / 5) = 22 picks a chunk of 512
   gathers = re.findall(r"u8\[(\d+),?(\d*)\]\S* all-gather\(", text)
   assert [int(size) for pair in gathers for size in pair if size] == [NUM_WORKERS, message]
@@ -179,13 +185,53 @@ def test_every_element_in_low_bits_goes_without_offsets():
       np.testing.assert_allclose(got[:, :2], want[:, :2], rtol=1e-6, atol=1e-9)
 
 
+def test_every_element_on_the_all_reduce_wire_matches_the_numpy_model():
+  """``wire="all_reduce"``: each worker sends every shard's owner its chunks
+  there in ``b`` bits (one all-to-all of bytes), each owner gathers back the
+  mean in ``mean_bits`` (by default ``2 b``), keeping what that rounding
+  loses; nothing else moves, and the stats count what XLA compiled: ``n -
+  1`` shard messages in each pass."""
+  tx = exdyna_jax.chunked_topk(1.0, chunk=256, value_bits=1, wire="all_reduce")
+  grads = flat_gradients()
+  run = functools.partial(harness.run_shard_map, check_vma=True)
+  updates, states, _ = harness.to_numpy(run(tx, PARAMS, harness.unflatten_like(grads, PARAMS)))
+  updates = np.concatenate([leaf.reshape(NUM_WORKERS, NUM_STEPS, -1)
+                            for leaf in jax.tree.leaves(updates)], axis=-1)
+  trace, owed = peers_model.chunked_mean_in_bits(grads, 256, 1, 2)
+  for w in range(NUM_WORKERS):
+    np.testing.assert_allclose(updates[w], trace.updates, rtol=1e-4, atol=1e-7)
+  np.testing.assert_allclose(states.residual, trace.residuals, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(states.shard_residual.swapaxes(0, 1), owed, rtol=1e-4, atol=1e-6)
+  kept = states.residual[:, -1].sum(0) + NUM_WORKERS * states.shard_residual[:, -1].reshape(-1)[
+      :NUM_ELEMENTS]
+  np.testing.assert_allclose(kept + NUM_WORKERS * updates[0].sum(0), grads.sum((0, 1)),
+                             rtol=1e-5, atol=1e-4)  # nothing lost between the two roundings
+
+  text = compiled_step(tx, harness.unflatten_like(grads[:, :1], PARAMS))
+  sent, mean = (_packed.message_bytes(3, 256, 256, bits) for bits in (1, 2))  # 9 chunks: 3 each
+  ops = hlo.collectives(text, NUM_WORKERS)
+  assert [(op.kind, {dtype for dtype, _ in op.shapes}, op.result_bytes) for op in ops
+          if op.kind != "all-reduce"] == [("all-to-all", {"u8"}, NUM_WORKERS * sent),
+                                          ("all-gather", {"u8"}, NUM_WORKERS * mean)]
+  assert not re.search(r"f32\[\d+\]\S* all-reduce\(", text)
+  assert hlo.bytes_per_worker(text, NUM_WORKERS) == states.stats.bytes_sent[0, 0]
+  screen = states.stats.bytes_sent[0, 0] - (NUM_WORKERS - 1) * (sent + mean)
+  assert 0 < screen < 64
+
+
 @pytest.mark.parametrize(("options", "message"), [
     ({"chunk": 65537}, "chunk must be at most 65536"),
     ({"chunk": 0}, "chunk must be a positive int"),
     ({"value_bits": 3}, r"value_bits must be None or one of \(1, 2, 4, 8\)"),
     ({"value_bits": 16}, r"value_bits must be None or one of \(1, 2, 4, 8\)"),
     ({"value_bits": 2, "value_dtype": "bfloat16"}, "Pass value_bits=2 or value_dtype=bfloat16"),
+    ({"wire": "ring"}, r"wire must be one of \('all_gather', 'all_reduce'\)"),
+    ({"wire": "all_reduce", "value_bits": 1}, "pass density=1.0 and value_bits .got density=0.01"),
+    ({"wire": "all_reduce", "density": 1.0}, "got density=1.0, value_bits=None"),
+    ({"wire": "all_reduce", "density": {0: 1.0}, "value_bits": 1}, "got density=.0: 1.0."),
+    ({"wire": "all_reduce", "density": 1.0, "value_bits": 1, "mean_bits": 3}, "mean_bits=3"),
+    ({"density": 1.0, "value_bits": 1, "mean_bits": 2}, "mean_bits is for wire='all_reduce'"),
 ])
 def test_bad_options_are_refused(options, message):
   with pytest.raises((ValueError, TypeError), match=message):
-    exdyna_jax.chunked_topk(0.01, **options)
+    exdyna_jax.chunked_topk(**{"density": 0.01, **options})

@@ -23,6 +23,8 @@ OPTIONS = {"dense": {}, "exdyna": {"density": 0.02, "num_blocks": 64}}
 
 
 def make_tx(name):
+  if name == "chunked_topk_all_reduce":  # every element in 1 bit; the owners keep a residual too
+    return exdyna_jax.chunked_topk(1.0, chunk=256, value_bits=1, wire="all_reduce")
   return exdyna_jax.get_sparsifier(name, **OPTIONS.get(name, {"density": 0.02}))
 
 
@@ -46,12 +48,15 @@ def stepper(tx):
 
 
 def still_owed(state):
-  """The workers' mean residual: what the parameters have not yet received."""
+  """The workers' mean residual (and the owners' of the mean): what the parameters have
+  not yet received."""
   residual = optax.tree.get(state, "residual")
-  return np.zeros(N) if residual is None else np.asarray(residual, np.float64).mean(0)
+  owed = np.zeros(N) if residual is None else np.asarray(residual, np.float64).mean(0)
+  shards = optax.tree.get(state, "shard_residual")
+  return owed if shards is None else owed + np.asarray(shards, np.float64).reshape(-1)[:N]
 
 
-@pytest.mark.parametrize("name", exdyna_jax.available_sparsifiers())
+@pytest.mark.parametrize("name", [*exdyna_jax.available_sparsifiers(), "chunked_topk_all_reduce"])
 def test_eight_to_four_to_eight_to_one_workers_apply_what_was_owed(name):
   tx = make_tx(name)
   params = jnp.zeros(N)

@@ -8,8 +8,6 @@ copy of the parameters bit-identical to the others'.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -17,10 +15,6 @@ import exdyna_jax
 from benchmarks import soak
 
 pytestmark = pytest.mark.slow  # the tools end to end: `-m "not slow"` leaves them out
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 
 
 @pytest.mark.parametrize("method", exdyna_jax.available_sparsifiers())

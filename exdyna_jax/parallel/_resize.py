@@ -10,7 +10,8 @@ the worker count:
   what they send, so the parameters are owed the mean of the old workers'
   residuals (the gradient accumulated and not yet sent); every new worker
   starts with that mean, so the new workers' mean is the old one whatever
-  ``m``;
+  ``m`` (with ``chunked_topk``'s ``wire="all_reduce"``, plus what the
+  owners' rounding of the mean kept: their shards, owed to every worker);
 - the controller's state: threshold, step counter, target correction, and
   ExDyna's block-workload estimate when the block layout is the same for
   ``m`` workers;
@@ -170,6 +171,8 @@ def _resize(new: Any, old: Any, num_workers: int) -> Any:
   carried = {}
   if "residual" in new._fields:
     owed = jnp.mean(jnp.asarray(old.residual, jnp.float32), axis=0)
+    if "shard_residual" in new._fields:  # the owners' shards of the mean: owed to every worker
+      owed += jnp.asarray(old.shard_residual, jnp.float32).reshape(-1)[:owed.shape[0]]
     carried["residual"] = jnp.broadcast_to(owed, new.residual.shape)
   for name in CARRIED_FIELDS:
     if name in new._fields:

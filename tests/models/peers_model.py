@@ -296,3 +296,41 @@ def chunked_topk(grads: np.ndarray, density: float, chunk: int, values_as) -> Tr
                * per_chunk, int(np.sum(np.any(picked, axis=0))), 0, [chunks * per_chunk]
                * num_workers)
   return record.trace()
+
+
+def chunked_mean_in_bits(grads: np.ndarray, chunk: int, value_bits: int, mean_bits: int
+                         ) -> tuple[Trace, np.ndarray]:
+  """Every element in ``b`` bits, reduced by each shard's owner and re-rounded in ``mean_bits``.
+
+  The chunks (``L`` elements, the tail zero-padded to ``n c`` chunks) are
+  cut into ``n`` shards of ``c``. The mean of what the workers sent,
+  plus what the last rounding of the mean lost, is rounded again chunk by
+  chunk: that is the update, and what it lost is owed to the next. Each
+  worker keeps what the rounding of its own values lost.
+
+  Returns:
+    The `Trace`, and float32 ``[T, n, c L]`` the owners' residuals (worker
+    ``w``'s is shard ``w`` of the mean's).
+  """
+  num_workers, num_steps, num_elements = grads.shape
+  length = min(chunk, num_elements)
+  per_worker = math.ceil(math.ceil(num_elements / length) / num_workers)
+  padded = num_workers * per_worker * length
+  residuals = np.zeros((num_workers, num_elements), F32)
+  owed, owed_trace = np.zeros(padded, F32), []
+  record = _Recorder()
+  for t in range(num_steps):
+    accumulated = grads[:, t].astype(F32) + residuals
+    rows = np.zeros((num_workers, padded), F32)
+    rows[:, :num_elements] = accumulated
+    sent = np.stack([wire_values(row.reshape(-1, length), value_bits).reshape(-1)
+                     for row in rows])
+    mean = np.mean(sent, axis=0, dtype=F32) + owed
+    update = wire_values(mean.reshape(-1, length), mean_bits).reshape(-1)
+    owed = mean - update
+    residuals = accumulated - sent[:, :num_elements]
+    owed_trace.append(owed.reshape(num_workers, -1))
+    record.add(update[:num_elements], residuals.copy(), np.min(np.abs(update[:num_elements])),
+               num_workers * per_worker * length, num_elements, 0,
+               [per_worker * length] * num_workers)
+  return record.trace(), np.stack(owed_trace)
