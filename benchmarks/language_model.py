@@ -77,14 +77,15 @@ DEFAULT_VARIANTS = (
 )
 
 
-def chunked_topk(density: float, value_dtype: str = "float32") -> optax.GradientTransformation:
+def chunked_topk(density: float, value_dtype: str = "float32", chunk: int = 4096
+                 ) -> optax.GradientTransformation:
   """`exdyna_jax.chunked_topk`, its values named as the other compressors' (``bfloat16``)
   or by their bits (``8``, ``4``, ``2``; ``1ar``: one bit on ``wire="all_reduce"``)."""
   if value_dtype.removesuffix("ar").isdigit():
     wire = "all_reduce" if value_dtype.endswith("ar") else "all_gather"
-    return exdyna_jax.chunked_topk(density, value_bits=int(value_dtype.removesuffix("ar")),
-                                   wire=wire)
-  return exdyna_jax.chunked_topk(density, value_dtype=value_dtype)
+    return exdyna_jax.chunked_topk(density, chunk=chunk, wire=wire,
+                                   value_bits=int(value_dtype.removesuffix("ar")))
+  return exdyna_jax.chunked_topk(density, chunk=chunk, value_dtype=value_dtype)
 
 
 # Compressors by the name's suffix (``exdyna`` where none is given); the first that matches.
@@ -150,7 +151,8 @@ def optimizer(kind: str, rest: list[str], steps: int, args: argparse.Namespace,
   method, base = compressor_of(kind)
 
   def compressor(density: str, value_dtype: str = "float32"):
-    return COMPRESSORS[method](density=float(density), value_dtype=value_dtype)
+    options = {"chunk": args.chunk} if method == "chunked_topk" else {}
+    return COMPRESSORS[method](density=float(density), value_dtype=value_dtype, **options)
 
   if base == "ddp":
     return optax.chain(exdyna_jax.dense(), adamw)
@@ -239,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   parser.add_argument("--learning-rate", type=float, default=6e-3,
                       help="the peak; ddp's best of 3e-3, 6e-3 and 1.2e-2 at 300 steps")
   parser.add_argument("--outer-learning-rate", type=float, default=0.7)
+  parser.add_argument("--chunk", type=int, default=4096, help="chunked_topk's elements a chunk")
   parser.add_argument("--warmup", type=int, default=30)
   parser.add_argument("--weight-decay", type=float, default=0.01)
   parser.add_argument("--clip", type=float, default=1.0)
