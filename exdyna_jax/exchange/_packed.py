@@ -7,8 +7,8 @@ chunk fits ``ceil(log2 L)`` bits (12 for chunks of 4,096), packed into a
 stream of bytes. Its values go as a float dtype (float32, bfloat16,
 float16: ``values_as`` a dtype) or in ``b`` = 1, 2, 4 or 8 bits
 (``values_as`` the int ``b``): a sign bit and ``b - 1`` bits of
-magnitude, on a scale per chunk (the chunk's largest magnitude picked, a
-float32; for one bit, the sign alone on the picks' mean magnitude), packed
+magnitude, on a scale per chunk (a float32 fitted to the picks by least
+squares; for one bit, the sign alone on about their mean magnitude), packed
 ``8 / b`` to a byte. One ``all_gather`` of a byte buffer
 moves all of it; every worker decodes every message to the same
 ``(indices, values)``. Whole chunks (``m = L``: every element, in place)
@@ -32,6 +32,10 @@ from exdyna_jax.core import _collectives
 MAX_CHUNK = 1 << 16  # offsets in a chunk take at most 16 bits
 VALUE_BITS = (1, 2, 4, 8)  # quantized values, on a scale per chunk
 SCALE_BYTES = 4
+SCALE_FITS = 3  # least-squares rounds fitting a chunk's scale (`quantize`) ...
+SCALE_GRID = 112  # ... on the grid largest * 2**(1 - j / 16), j < 112: twice it to 1/60
+_GRID = (2.0 ** (1 - np.arange(SCALE_GRID) / 16)).astype(np.float32)
+_GRID_BOUNDS = (2.0 ** (1 - (np.arange(1, SCALE_GRID) - 0.5) / 16)).astype(np.float32)
 
 ValuesAs = Any  # a float dtype (float32, bfloat16, float16) or an int of `VALUE_BITS`
 
@@ -71,28 +75,51 @@ def quantize(values: jax.Array, value_bits: int) -> tuple[jax.Array, jax.Array]:
   """``(codes, scales)``: uint8 ``[chunks, m]`` codes and float32 ``[chunks]`` scales.
 
   A code is the sign (its top bit) and the magnitude's level ``q`` below
-  ``2**(b - 1)``: ``|v| / scale`` cut into equal steps (`dequantize` reads
-  each step's middle), the scale the chunk's largest magnitude. One bit is
-  the sign alone, on the chunk's mean magnitude (the scale that loses the
-  least: a scaled sign).
+  ``L = 2**(b - 1)``, read back as ``(q + 1/2) / L`` of the chunk's scale
+  (one bit: the sign on the scale). The scale is fitted to the chunk:
+  from its largest magnitude, `SCALE_FITS` rounds of least squares (the
+  scale that loses the least for the levels taken; for one bit the mean
+  magnitude), each put on the grid of `_on_grid`, the levels taken
+  anew (the nearest to each magnitude): a Lloyd iteration. On the grid,
+  the levels do not depend on the order the fit's sums are added in, so
+  every device and the NumPy model round alike.
   """
-  levels = 1 << (value_bits - 1)
-  if value_bits == 1:
-    return jnp.where(values < 0, jnp.uint8(1), jnp.uint8(0)), jnp.mean(jnp.abs(values), axis=1)
-  scales = jnp.max(jnp.abs(values), axis=1)
-  ratio = jnp.abs(values) / jnp.where(scales > 0, scales, 1.0)[:, None]
-  level = jnp.minimum(jnp.floor(ratio * levels), levels - 1).astype(jnp.uint8)
-  return level | jnp.where(values < 0, jnp.uint8(levels), jnp.uint8(0)), scales
+  magnitudes = jnp.abs(values)
+  largest = jnp.max(magnitudes, axis=1)
+  scales = largest
+  for _ in range(SCALE_FITS if value_bits > 1 else 1):  # one bit's levels never change
+    read_back = _read_back(_levels(magnitudes, scales, value_bits), value_bits)
+    fitted = jnp.sum(magnitudes * read_back, axis=1) / jnp.sum(read_back * read_back, axis=1)
+    scales = _on_grid(fitted, largest)
+  sign = jnp.where(values < 0, jnp.uint8(1 << (value_bits - 1)), jnp.uint8(0))
+  return _levels(magnitudes, scales, value_bits) | sign, scales
+
+
+def _on_grid(fitted: jax.Array, largest: jax.Array) -> jax.Array:
+  """``largest * 2**(1 - j / 16)`` nearest ``fitted`` (log scale), ``j < SCALE_GRID``."""
+  below = fitted[:, None] < largest[:, None] * _GRID_BOUNDS
+  return largest * jnp.asarray(_GRID)[jnp.sum(below, axis=1)]
 
 
 def dequantize(codes: jax.Array, scales: jax.Array, value_bits: int) -> jax.Array:
   """float32 values of ``codes`` (``[..., chunks, m]``) on ``scales`` (``[..., chunks]``)."""
+  top = 1 << (value_bits - 1)
+  sign = jnp.where(codes & top, -1.0, 1.0)
+  return sign * _read_back(codes & (top - 1), value_bits) * scales[..., None]
+
+
+def _levels(magnitudes: jax.Array, scales: jax.Array, value_bits: int) -> jax.Array:
+  """uint8 level of each magnitude on its chunk's scale: the nearest of `_read_back`'s."""
   levels = 1 << (value_bits - 1)
-  sign = jnp.where(codes & levels, -1.0, 1.0)
+  ratio = magnitudes / jnp.where(scales > 0, scales, 1.0)[:, None]
+  return jnp.minimum(jnp.floor(ratio * levels), levels - 1).astype(jnp.uint8)
+
+
+def _read_back(levels: jax.Array, value_bits: int) -> jax.Array:
+  """float32 magnitude, as a fraction of the scale, that each level stands for."""
   if value_bits == 1:
-    return sign * scales[..., None]
-  magnitude = ((codes & (levels - 1)).astype(jnp.float32) + 0.5) / levels
-  return sign * magnitude * scales[..., None]
+    return jnp.ones(levels.shape, jnp.float32)
+  return (levels.astype(jnp.float32) + 0.5) / (1 << (value_bits - 1))
 
 
 def rounded(values: jax.Array, values_as: ValuesAs) -> jax.Array:

@@ -104,8 +104,9 @@ def chunked_topk(
     chunk: elements per chunk, ``L``, at most 65,536 (an offset takes
       ``ceil(log2 L)`` bits); a model smaller than it is one chunk.
     value_bits: None (default: values in ``value_dtype``), or 8, 4, 2 or 1:
-      a sign and ``b - 1`` bits of magnitude, the chunk's largest magnitude
-      picked its scale (for 1, the sign alone on the mean magnitude picked).
+      a sign and ``b - 1`` bits of magnitude on a scale per chunk, fitted
+      to the chunk's picks by least squares (for 1, the sign alone on
+      about their mean magnitude).
     wire: ``"all_gather"`` (default): every worker's message to every
       worker; or ``"all_reduce"``, for a density of 1.0 with ``value_bits``:
       a quantized reduce-scatter to each shard's owner, then an all-gather

@@ -244,23 +244,38 @@ def wire_values(values: np.ndarray, values_as) -> np.ndarray:
   """``[chunks, m]`` picked values as the compact wire carries them (docs/algorithms.md).
 
   A dtype name: in that dtype (float16 clipped to +-65,504). An int ``b``:
-  a sign and a level ``q < L = 2**(b-1)`` of ``|v| / s`` (``s`` the chunk's
-  largest picked magnitude), read back as ``(q + 1/2) / L * s``; one bit:
-  the sign on the chunk's mean picked magnitude.
+  a sign and a level ``q < L = 2**(b-1)`` of ``|v| / s``, read back as
+  ``(q + 1/2) / L * s`` (one bit: ``s``). The chunk's scale ``s`` starts at
+  its largest magnitude ``M``; three times, the least-squares scale for the
+  read-backs ``r`` of the levels taken, ``sum(|v| r) / sum(r**2)``, is
+  replaced by the nearest (in ratio) of ``M * 2**(1 - j/16)``, ``j < 112``,
+  and the levels are taken anew.
   """
   if not isinstance(values_as, int):
     dtype = {"bfloat16": ml_dtypes.bfloat16}.get(str(values_as), np.dtype(values_as))
     limit = F32(ml_dtypes.finfo(dtype).max) if dtype != np.float32 else np.inf
     return np.clip(values, -limit, limit).astype(dtype).astype(F32)
-  value_bits = values_as
-  sign = np.where(values < 0, F32(-1), F32(1))
-  if value_bits == 1:
-    return sign * np.mean(np.abs(values), axis=1, keepdims=True, dtype=F32)
-  levels = F32(2 ** (value_bits - 1))
-  scales = np.max(np.abs(values), axis=1, keepdims=True)
-  ratio = np.abs(values) / np.where(scales > 0, scales, F32(1))
-  level = np.minimum(np.floor(ratio * levels), levels - 1)
-  return sign * ((level + F32(0.5)) / levels) * scales
+  levels = F32(2 ** (values_as - 1))
+  magnitudes = np.abs(values)
+  largest = np.max(magnitudes, axis=1, keepdims=True)
+  grid = largest * np.array([2.0 ** (1 - j / 16) for j in range(112)], F32)
+
+  def read_back(scales):
+    if values_as == 1:
+      return np.ones_like(magnitudes)
+    level = np.minimum(np.floor(magnitudes / np.where(scales > 0, scales, F32(1)) * levels),
+                       levels - 1)
+    return (level + F32(0.5)) / levels
+
+  scales = largest
+  for _ in range(3):
+    r = read_back(scales)
+    fitted = np.sum(magnitudes * r, axis=1, keepdims=True) / np.sum(r * r, axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+      distance = np.abs(np.log(fitted.astype(np.float64) / grid))
+    nearest = np.argmin(np.where(np.isnan(distance), 0.0, distance), axis=1)[:, None]
+    scales = np.take_along_axis(grid, nearest, axis=1)
+  return np.where(values < 0, F32(-1), F32(1)) * read_back(scales) * scales
 
 
 def chunked_topk(grads: np.ndarray, density: float, chunk: int, values_as) -> Trace:
