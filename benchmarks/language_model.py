@@ -22,7 +22,7 @@ scales its peak rate by ``F``, e.g. ``sparse_adamw_topk_steered@0.00125@2xlr``):
   ``chunked_topk``, ``@8``, ``@4``, ``@2``, ``@1``: values in that many bits;
   ``local_chunked_topk@100@1.0@1``: every element in 1 bit, no offsets;
   ``@1ar``: the same on a quantized all-reduce, ``wire="all_reduce"``, the
-  owners' means in 2 bits);
+  owners' means in 2 bits; ``@2ar2``: values and means in 2 bits);
 - ``sparse_adamw_dense``: ``sparse_adamw(dense())``, the recipe with nothing
   left out (Adam without momentum on the workers' mean);
 - ``sparse_adamw_oracle@D``: ``sparse_adamw`` whose exchange is a dense mean
@@ -80,11 +80,14 @@ DEFAULT_VARIANTS = (
 def chunked_topk(density: float, value_dtype: str = "float32", chunk: int = 4096
                  ) -> optax.GradientTransformation:
   """`exdyna_jax.chunked_topk`, its values named as the other compressors' (``bfloat16``)
-  or by their bits (``8``, ``4``, ``2``; ``1ar``: one bit on ``wire="all_reduce"``)."""
-  if value_dtype.removesuffix("ar").isdigit():
-    wire = "all_reduce" if value_dtype.endswith("ar") else "all_gather"
-    return exdyna_jax.chunked_topk(density, chunk=chunk, wire=wire,
-                                   value_bits=int(value_dtype.removesuffix("ar")))
+  or by their bits (``8``, ``4``, ``2``; ``1ar``: one bit on ``wire="all_reduce"``,
+  ``2ar2``: two bits, the means in two)."""
+  bits, all_reduce, mean_bits = value_dtype.partition("ar")
+  if bits.isdigit():
+    return exdyna_jax.chunked_topk(
+        density, chunk=chunk, value_bits=int(bits),
+        wire="all_reduce" if all_reduce else "all_gather",
+        mean_bits=int(mean_bits) if mean_bits else None)
   return exdyna_jax.chunked_topk(density, chunk=chunk, value_dtype=value_dtype)
 
 
