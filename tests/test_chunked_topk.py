@@ -145,7 +145,7 @@ def test_a_message_decodes_to_what_the_wire_carries(values_as, chunks, per_chunk
 
 
 @pytest.mark.parametrize("value_bits", _packed.VALUE_BITS)
-def test_each_chunk_s_scale_is_fitted_on_its_grid(value_bits):
+def test_each_chunk_scale_is_fitted_by_least_squares_on_a_grid(value_bits):
   """The scale is the chunk's largest magnitude times ``2**(1 - j/16)``, and
   rounding on it loses no more than on the largest magnitude, the scale
   before the fit; on heavy-tailed values (Student's t, 3 degrees of
