@@ -91,9 +91,9 @@ def all_reduce(rows: jax.Array, shard_residual: jax.Array, axis_name: str,
   mean = (jnp.mean(decoded(received, per_worker, length, value_bits), axis=0)
           + shard_residual.reshape(per_worker, length))
   gathered = _collectives.all_gather(encoded(mean, length, mean_bits), axis_name)
-  return QuantizedMean(mean=decoded(gathered, per_worker, length, mean_bits),
-                       own=rounded(rows, value_bits),
-                       shard_residual=(mean - rounded(mean, mean_bits)).reshape(-1))
+  means = decoded(gathered, per_worker, length, mean_bits)
+  return QuantizedMean(mean=means, own=decoded(messages, per_worker, length, value_bits),
+                       shard_residual=(mean - means[jax.lax.axis_index(axis_name)]).reshape(-1))
 
 
 def encoded(values: jax.Array, length: int, value_bits: int) -> jax.Array:
@@ -106,7 +106,3 @@ def decoded(messages: jax.Array, per_worker: int, length: int, value_bits: int) 
   """float32 ``[n, c, L]`` values of ``messages`` ``[n, bytes]``."""
   return _packed.decode(messages, per_worker, length, length, value_bits).values
 
-
-def rounded(values: jax.Array, value_bits: int) -> jax.Array:
-  """``values`` ``[..., L]`` as a message of their chunks carries them."""
-  return _packed.rounded(values.reshape(-1, values.shape[-1]), value_bits).reshape(values.shape)
