@@ -3,7 +3,8 @@
 Prints one JSON line: its network namespace, the psum of every process's
 ``rank + 1``, and the seconds one all-gather of ``--megabytes`` MB per
 process took (the median of three). With ``--then`` it afterwards kills
-itself (``die``) or sleeps (``hang``) so the test can stop the launcher.
+itself (``die``: rank 1, once both have reported) or sleeps (``hang``) so
+the test can stop the launcher.
 With ``--report-first`` it prints its rank and namespace before JAX starts
 (for a test whose launcher times out: a busy machine can take longer than
 that to start JAX), and no line after.
@@ -44,7 +45,8 @@ def collective(fn):
   return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=jax.P("data"), out_specs=jax.P()))
 
 
-total = collective(lambda x: jax.lax.psum(x, "data"))(distributed([rank + 1.0]))
+total_of_ranks = collective(lambda x: jax.lax.psum(x, "data"))
+total = total_of_ranks(distributed([rank + 1.0]))
 report = {
     "rank": rank,
     "namespace": os.readlink("/proc/self/ns/net"),
@@ -63,6 +65,8 @@ if args.megabytes:
 if not args.report_first:
   print(json.dumps(report), flush=True)
 if args.then == "die":
+  # One more all-reduce: rank 1 gets past it only once rank 0 has printed its line.
+  jax.block_until_ready(total_of_ranks(distributed([rank + 1.0])))
   os.kill(os.getpid(), signal.SIGKILL) if rank == 1 else time.sleep(60)
 elif args.then == "hang":
   time.sleep(60)
