@@ -45,11 +45,11 @@ def char_task():
 
 def workloads(quick: bool):
   """``(name, task, base TrainConfig, metric)`` of each model."""
-  from exdyna_jax.demo import tasks, trainer
+  from exdyna_jax.demo import TrainConfig, tasks
 
   steps = 60 if quick else 300
-  digits = trainer.TrainConfig(steps=steps, density=0.01, eval_every=steps)  # the demo's
-  char = trainer.TrainConfig(
+  digits = TrainConfig(steps=steps, density=0.01, eval_every=steps)  # the demo's
+  char = TrainConfig(
       steps=steps, density=0.01, batch_per_worker=8, learning_rate=0.3, warmup_steps=20,
       eval_every=steps,
   )

@@ -8,8 +8,8 @@ import sys
 import types
 from collections.abc import Callable, Sequence
 
+from exdyna_jax.demo.recipes import TOPK_UNION, demo_methods
 from exdyna_jax.demo.tasks import TASKS
-from exdyna_jax.demo.trainer import TOPK_UNION, demo_methods
 from exdyna_jax.launch import _shaped_links
 from exdyna_jax.methods._registry import registered_name
 
@@ -129,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
   demo.add_argument("--value-dtype", default="float32",
                     choices=("float32", "bfloat16", "float16"),
                     help="dtype the exchanged values are summed in (default: float32)")
+  demo.add_argument("--value-bits", type=int, choices=(1, 2, 4, 8), default=None, metavar="B",
+                    help="chunked_topk only: its values in B bits (8, 4, 2 or 1) on a scale "
+                    "per chunk (default: float values)")
+  demo.add_argument("--wire", choices=("all_gather", "all_reduce"), default="all_gather",
+                    help="chunked_topk only: all_reduce sends every element (--density 1, "
+                    "--value-bits B) to its shard's owner and the owners' means back in B "
+                    "bits (default: all_gather)")
   demo.add_argument("--warmup-steps", type=int, default=None,
                     help="learning-rate warm-up steps; helps very low densities "
                     "(default: 0; 30 for the lm tasks)")
@@ -230,7 +237,7 @@ def _demo_config(args: argparse.Namespace, *, task: str, steps: int, eval_every:
       steps=args.steps or steps, density=args.density, momentum=args.momentum,
       density_warmup=args.density_warmup, value_dtype=args.value_dtype, network=args.network,
       eval_every=args.eval_every or eval_every, seed=args.seed, sync_every=args.sync_every,
-      learning_rate=learning_rate, **chosen,
+      value_bits=args.value_bits, wire=args.wire, learning_rate=learning_rate, **chosen,
   )
 
 
@@ -239,6 +246,21 @@ def demo_methods_of(args: argparse.Namespace) -> list[str]:
   if args.method is not None:
     return args.method
   return ["exdyna", TOPK_UNION] if (args.task or "").startswith("lm") else ["exdyna"]
+
+
+def _check_method_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """A usage error, before any training, for options the chosen methods refuse."""
+  from exdyna_jax.demo import recipes
+
+  methods = demo_methods_of(args)
+  if (args.value_bits, args.wire) != (None, "all_gather") and "chunked_topk" not in methods:
+    parser.error("--value-bits and --wire are chunked_topk's options: add --method chunked_topk")
+  config = _demo_config(args, task=args.task or "digits", steps=1, eval_every=1)
+  for method in methods:
+    try:
+      recipes.sparsifier_for(method, config)
+    except ValueError as error:
+      parser.error(f"--method {method}: {error}")
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
@@ -298,6 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
       parser.error(str(error))
   if args.command == "demo":
+    _check_method_options(parser, args)
     return run_demo_command(args)
   raise AssertionError(f"unhandled command {args.command!r}")
 

@@ -200,6 +200,39 @@ def test_the_lm_tasks_default_to_adamw_and_sync_every_reaches_the_config():
   assert (config.optimizer, config.learning_rate, config.sync_every) == ("sgd", 0.1, 1)
 
 
+def test_value_bits_and_the_wire_reach_chunked_topk_and_are_refused_elsewhere(capsys):
+  """``--value-bits 2 --wire all_reduce --density 1``: the demo's chunked_topk is the library's
+  quantized all-reduce, the owners' means in 2 bits too; the options without chunked_topk, or a
+  combination it refuses, are usage errors before any training."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import exdyna_jax
+  from exdyna_jax.demo import recipes
+
+  argv = ["demo", "--method", "chunked_topk", "--density", "1", "--value-bits", "2", "--wire",
+          "all_reduce"]
+  config = _cli._demo_config(_cli.build_parser().parse_args(argv), task="lm", steps=9,
+                             eval_every=3)
+  assert (config.value_bits, config.wire) == (2, "all_reduce")
+  grads = jax.random.normal(jax.random.key(0), (4, 2, 5000))
+  updates, states, _ = harness.run_vmap(recipes.sparsifier_for("chunked_topk", config),
+                                        jnp.zeros(5000), grads)
+  expected, expected_states, _ = harness.run_vmap(exdyna_jax.chunked_topk(
+      1.0, value_bits=2, wire="all_reduce", mean_bits=2), jnp.zeros(5000), grads)
+  np.testing.assert_array_equal(updates, expected)
+  np.testing.assert_array_equal(states.stats.bytes_sent, expected_states.stats.bytes_sent)
+  for bad, message in (
+      (["--value-bits", "2"], "are chunked_topk's options: add --method chunked_topk"),
+      (["--method", "chunked_topk", "--wire", "all_reduce", "--value-bits", "2"],
+       "--method chunked_topk: wire='all_reduce' sends every element"),
+      (["--method", "chunked_topk", "--value-bits", "3"], "invalid choice: 3")):
+    with pytest.raises(SystemExit) as exit_info:
+      _cli.main(["demo", *bad])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("task, optimizer, rate", [
     ("digits", "sgd", 0.3), ("digits", "adamw", 3e-3), ("lm", "sgd", 0.3),
     ("lm-code", "adamw", 6e-3)])
@@ -216,11 +249,11 @@ def test_local_steps_of_adamw_on_the_language_model_record_their_syncs():
   pseudo-gradient every 2 steps: local steps send nothing and carry no sent/k."""
   import jax
 
-  from exdyna_jax.demo import language_model, trainer
+  from exdyna_jax.demo import language_model, recipes, trainer
 
   task = language_model.language_model_task(context=16, width=16, layers=1, heads=2,
                                             test_windows=8)
-  config = trainer.TrainConfig(steps=6, density=0.05, batch_per_worker=2, learning_rate=3e-3,
+  config = recipes.TrainConfig(steps=6, density=0.05, batch_per_worker=2, learning_rate=3e-3,
                                warmup_steps=2, eval_every=3, optimizer="adamw", sync_every=2)
   run = trainer.train_method("exdyna", task, config, trainer.make_mesh(jax.device_count()))
   assert [r["sent_over_k"] is not None for r in run.records] == [False, True] * 3
@@ -237,7 +270,7 @@ def test_topk_union_shares_the_density_among_the_workers_and_is_the_lm_tasks_def
   threshold; sent/k is the union over the ``n`` workers' ``k``, so about 1 at most."""
   import jax
 
-  from exdyna_jax.demo import language_model, trainer
+  from exdyna_jax.demo import language_model, recipes, trainer
 
   parse = _cli.build_parser().parse_args
   assert _cli.demo_methods_of(parse(["demo", "--task", "lm"])) == ["exdyna", "topk_union"]
@@ -245,7 +278,7 @@ def test_topk_union_shares_the_density_among_the_workers_and_is_the_lm_tasks_def
   assert parse(["demo", "--method", "TopK-Union"]).method == ["topk_union"]
   task = language_model.language_model_task(context=16, width=16, layers=1, heads=2,
                                             test_windows=8)
-  config = trainer.TrainConfig(steps=5, density=0.04, batch_per_worker=2, learning_rate=3e-3,
+  config = recipes.TrainConfig(steps=5, density=0.04, batch_per_worker=2, learning_rate=3e-3,
                                warmup_steps=2, eval_every=5, optimizer="adamw")
   workers = jax.device_count()
   run = trainer.train_method("topk_union", task, config, trainer.make_mesh(workers))
@@ -253,7 +286,7 @@ def test_topk_union_shares_the_density_among_the_workers_and_is_the_lm_tasks_def
   assert run.target == workers * k
   # The thresholds start low and reach their counts within two steps.
   assert all(0.7 < r["sent_over_k"] <= 1.15 for r in run.records[2:]), run.records
-  assert trainer.per_worker({0: 0.25, 10: 0.04}, 4) == {0: 0.0625, 10: 0.01}
+  assert recipes.per_worker({0: 0.25, 10: 0.04}, 4) == {0: 0.0625, 10: 0.01}
 
 
 def test_under_adamw_topk_union_is_the_recipe_at_twice_the_peak_rate():
@@ -264,20 +297,20 @@ def test_under_adamw_topk_union_is_the_recipe_at_twice_the_peak_rate():
   import optax
 
   import exdyna_jax
-  from exdyna_jax.demo import trainer
+  from exdyna_jax.demo import recipes
 
-  config = trainer.TrainConfig(steps=10, density=0.5, learning_rate=1e-2, warmup_steps=2,
+  config = recipes.TrainConfig(steps=10, density=0.5, learning_rate=1e-2, warmup_steps=2,
                                optimizer="adamw")
   peak = 2 * config.learning_rate
   recipe = optax.chain(optax.clip_by_global_norm(1.0), exdyna_jax.sparse_adamw(
-      exdyna_jax.topk(config.density / 8, exact=False, axis_name=trainer.AXIS),
+      exdyna_jax.topk(config.density / 8, exact=False, axis_name=recipes.AXIS),
       optax.warmup_cosine_decay_schedule(0.0, peak, 2, 10, peak / 10), weight_decay=0.01))
   grads = jax.random.normal(jax.random.key(0), (8, 1, 64)).repeat(2, axis=1)
 
   def second_update(tx):  # the first is the warm-up's, at rate 0
     return harness.run_vmap(tx, jnp.ones(64), grads)[0][:, 1]
 
-  np.testing.assert_allclose(second_update(trainer.optimizer_for("topk_union", config, 8)),
+  np.testing.assert_allclose(second_update(recipes.optimizer_for("topk_union", config, 8)),
                              second_update(recipe), rtol=1e-6)
   assert np.abs(second_update(recipe)).max() > 0
 

@@ -144,12 +144,12 @@ def test_numpy_and_jax_scalars_make_a_network():
 def test_the_demo_passes_its_network_to_exdyna_only():
   """``TrainConfig.network`` (a pair, as JSON carries it to the workers) reaches
   ExDyna's option; Top-k, which has none, is built as before."""
-  from exdyna_jax.demo import trainer
+  from exdyna_jax.demo import recipes
 
-  pair = [1e-3, 1.25e8]
-  program = one_step_program(trainer.sparsifier_for("exdyna", 0.01, network=pair), 4, 40_000)
+  config = recipes.TrainConfig(density=0.01, network=[1e-3, 1.25e8])
+  program = one_step_program(recipes.sparsifier_for("exdyna", config), 4, 40_000)
   assert [c.kind for c in hlo.collectives(program, 4)] == ["all-reduce"] + ["all-gather"] * 2
-  trainer.sparsifier_for("topk", 0.01, network=pair)
+  recipes.sparsifier_for("topk", config)
 
 
 def test_a_measured_network_is_the_model_through_the_two_timed_gathers(monkeypatch):

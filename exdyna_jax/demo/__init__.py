@@ -15,7 +15,7 @@ It writes, under a run directory (``runs/`` by default), the per-step metrics
 of each method as JSON lines, ``summary.json``, ``table.txt`` and PNG plots.
 """
 
+from exdyna_jax.demo.recipes import TrainConfig
 from exdyna_jax.demo.run import DemoResult, default_run_dir, run_demo
-from exdyna_jax.demo.trainer import TrainConfig
 
 __all__ = ["DemoResult", "TrainConfig", "default_run_dir", "run_demo"]

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple, TextIO
 
 from exdyna_jax import launch
 from exdyna_jax.demo import report
-from exdyna_jax.demo.trainer import TrainConfig
+from exdyna_jax.demo.recipes import TrainConfig
 
 __all__ = ["ClusterDemoResult", "WorkerRecords", "dense_target", "run_cluster_demo",
            "run_workers", "time_to_target"]

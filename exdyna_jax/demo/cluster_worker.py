@@ -37,14 +37,8 @@ from jax.experimental import multihost_utils
 import exdyna_jax
 from exdyna_jax import launch
 from exdyna_jax.demo import tasks
-from exdyna_jax.demo.trainer import (
-  AXIS,
-  Task,
-  TrainConfig,
-  make_mesh,
-  optimizer_for,
-  with_measured_network,
-)
+from exdyna_jax.demo.recipes import AXIS, TrainConfig, optimizer_for, with_measured_network
+from exdyna_jax.demo.trainer import Task, make_mesh
 
 DEFAULT_DENSITY_WARMUP = 25
 

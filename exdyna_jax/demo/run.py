@@ -11,13 +11,8 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple, TextIO
 
 from exdyna_jax.demo import report, tasks
-from exdyna_jax.demo.trainer import (
-  MethodRun,
-  TrainConfig,
-  make_mesh,
-  train_method,
-  with_measured_network,
-)
+from exdyna_jax.demo.recipes import TrainConfig, with_measured_network
+from exdyna_jax.demo.trainer import MethodRun, make_mesh, train_method
 
 DEFAULT_RUNS_ROOT = pathlib.Path("runs")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -24,8 +24,7 @@ import optax
 
 import exdyna_jax
 from exdyna_jax import hlo
-
-AXIS = "data"
+from exdyna_jax.demo.recipes import AXIS, TOPK_UNION, TrainConfig, optimizer_for
 
 
 class Task(NamedTuple):
@@ -48,162 +47,6 @@ class Task(NamedTuple):
   evaluate: Callable[[Any], dict[str, float]]
   sample_batch: Callable[[np.random.Generator, int], tuple[np.ndarray, np.ndarray]]
   higher_is_better: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  """Hyper-parameters shared by every method of a comparison.
-
-  Attributes:
-    steps: optimizer steps.
-    density: fraction of gradient elements a sparsifier sends per step.
-    batch_per_worker: examples per worker per step.
-    learning_rate: peak learning rate (AdamW: `TOPK_UNION` gets
-      `TOPK_UNION_RATE_SCALE` times it).
-    momentum: SGD momentum (applied after aggregation). Momentum on top of
-      error feedback amplifies the stale residual bursts: at density 0.001
-      on digits, 0.9 diverges (70 % accuracy after 500 steps) where plain
-      SGD at a higher rate matches dense.
-    warmup_steps: linear learning-rate warm-up steps (0: none).
-    density_warmup: steps per level of a DGC-style density warm-up
-      (`exdyna_jax.dgc_warmup`: 25 %, then a quarter of it per level down to
-      ``density``; 0: none).
-    value_dtype: the dtype the sparsifier sums the exchanged values in
-      (``"float32"``, ``"bfloat16"``, ``"float16"``).
-    network: ``(message_seconds, bytes_per_second)`` of the workers' network,
-      for ExDyna's ``network`` option (`exdyna_jax.Network`), or
-      ``"measure"``: timed on the mesh before training
-      (`with_measured_network`); None: not told. Other methods ignore it.
-    eval_every: evaluate on held-out data every this many steps.
-    seed: seed of the parameters and of the batches (the same for every
-      method, so runs differ only in the exchange).
-    optimizer: ``"sgd"`` (``learning_rate``, ``momentum``, a linear warm-up)
-      or ``"adamw"`` (peak ``learning_rate`` on a warm-up-cosine schedule,
-      weight decay 0.01, each worker's gradient clipped to norm 1; after a
-      sparsifier as `exdyna_jax.sparse_adamw`).
-    sync_every: 1: every method exchanges every step. ``H > 1``: every
-      method but ``dense`` runs `exdyna_jax.local_steps` (``H`` local steps
-      of the optimizer, the method exchanging the pseudo-gradient at
-      ``density``); ``dense`` stays the per-step baseline.
-  """
-
-  steps: int = 500
-  density: float = 0.01
-  batch_per_worker: int = 32
-  learning_rate: float = 0.3
-  momentum: float = 0.0
-  warmup_steps: int = 0
-  density_warmup: int = 0
-  value_dtype: str = "float32"
-  network: tuple[float, float] | str | None = None
-  eval_every: int = 25
-  seed: int = 0
-  optimizer: str = "sgd"
-  sync_every: int = 1
-
-
-def with_measured_network(config: TrainConfig, mesh: jax.sharding.Mesh) -> TrainConfig:
-  """``config`` with ``network="measure"`` replaced by `exdyna_jax.Network.measure` on ``mesh``.
-
-  Every process must call it (it runs collectives); they all get the same
-  figures.
-  """
-  if config.network != "measure":
-    return config
-  measured = exdyna_jax.Network.measure(mesh, AXIS)
-  return dataclasses.replace(config, network=(measured.message_seconds, measured.bytes_per_second))
-
-
-def density_of(config: TrainConfig) -> float | dict[int, float]:
-  """The ``density`` a sparsifier gets: a number, or the warm-up schedule."""
-  if config.density_warmup > 0:
-    return exdyna_jax.dgc_warmup(config.density, steps_per_level=config.density_warmup)
-  return config.density
-
-
-TOPK_UNION = "topk_union"
-"""The demo's name for the AdamW recipe, ``topk(density / n, exact=False)``: each of the
-``n`` workers sends its own largest ``density / n`` of ``N`` (a steered threshold), so
-their union sends about ``density``."""
-
-TOPK_UNION_RATE_SCALE = 2.0
-"""Under AdamW, `TOPK_UNION` runs at this times the peak rate the others get, as
-docs/usage.md advises for the recipe ("Momentum and Adam with a sparsifier")."""
-
-
-def demo_methods() -> tuple[str, ...]:
-  """The names the demo trains: the registered methods and `TOPK_UNION`."""
-  return (*exdyna_jax.available_sparsifiers(), TOPK_UNION)
-
-
-def per_worker(density: float | dict[int, float], num_workers: int) -> float | dict[int, float]:
-  """``density`` (a number or a schedule) shared among ``num_workers``."""
-  if isinstance(density, dict):
-    return {step: level / num_workers for step, level in density.items()}
-  return density / num_workers
-
-
-def sparsifier_for(
-    method: str, density: float | dict[int, float], value_dtype: str = "float32",
-    network: Sequence[float] | None = None, num_workers: int = 1,
-) -> optax.GradientTransformationExtraArgs:
-  """The method ``method`` of `demo_methods` at ``density`` (``dense`` ignores both).
-
-  ``network`` (``(message_seconds, bytes_per_second)``) goes to ExDyna only;
-  ``num_workers`` shares ``density`` out for `TOPK_UNION`.
-  """
-  if method.lower() == "dense":
-    return exdyna_jax.get_sparsifier("dense", axis_name=AXIS)
-  options = {} if value_dtype == "float32" else {"value_dtype": value_dtype}
-  if method.lower() == TOPK_UNION:
-    return exdyna_jax.topk(per_worker(density, num_workers), exact=False, axis_name=AXIS,
-                           **options)
-  if network is not None and method.lower() == "exdyna":
-    options["network"] = exdyna_jax.Network(*map(float, network))
-  return exdyna_jax.get_sparsifier(method, density=density, axis_name=AXIS, **options)
-
-
-ADAMW_WEIGHT_DECAY, ADAMW_CLIP = 0.01, 1.0
-
-
-def optimizer_for(method: str, config: TrainConfig,
-                  num_workers: int = 1) -> optax.GradientTransformation:
-  """The optimizer of ``method`` under ``config``, its sparsifier on local gradients.
-
-  SGD: ``chain(sparsifier, sgd)``. AdamW: ``chain(dense(), clip, adamw)``
-  for ``dense``, ``chain(clip, sparse_adamw(sparsifier, ...))`` for the
-  others. With ``config.sync_every > 1`` every method but ``dense`` runs
-  local steps of the optimizer, the sparsifier exchanging pseudo-gradients.
-  ``num_workers``: the workers `TOPK_UNION` shares the density among. Under
-  AdamW `TOPK_UNION`'s peak rate is `TOPK_UNION_RATE_SCALE` times
-  ``config.learning_rate``.
-  """
-  sparsifier = sparsifier_for(method, density_of(config), config.value_dtype, config.network,
-                              num_workers)
-  local = config.sync_every > 1 and method.lower() != "dense"
-  if config.optimizer == "adamw":
-    peak = config.learning_rate
-    if method.lower() == TOPK_UNION and not local:
-      peak *= TOPK_UNION_RATE_SCALE
-    learning_rate = optax.warmup_cosine_decay_schedule(
-        0.0, peak, config.warmup_steps, max(config.steps, config.warmup_steps + 1), peak / 10)
-    clip = optax.clip_by_global_norm(ADAMW_CLIP)
-    adamw = optax.chain(clip, optax.adamw(learning_rate, weight_decay=ADAMW_WEIGHT_DECAY))
-    if local:
-      return exdyna_jax.local_steps(adamw, sync_every=config.sync_every, compressor=sparsifier)
-    if method.lower() == "dense":
-      return optax.chain(sparsifier, adamw)
-    return optax.chain(clip, exdyna_jax.sparse_adamw(sparsifier, learning_rate,
-                                                     weight_decay=ADAMW_WEIGHT_DECAY))
-  learning_rate: float | optax.Schedule = config.learning_rate
-  if config.warmup_steps > 0:
-    learning_rate = optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
-  # No trace without momentum: its state would cost a step a pass over N (and, on
-  # XLA:CPU, copies of the largest leaves when the update is ExDyna's).
-  sgd = optax.sgd(learning_rate, momentum=config.momentum or None)
-  if local:
-    return exdyna_jax.local_steps(sgd, sync_every=config.sync_every, compressor=sparsifier)
-  return optax.chain(sparsifier, sgd)
 
 
 def make_mesh(num_workers: int) -> jax.sharding.Mesh:
