@@ -321,5 +321,11 @@ def test_a_loss_is_reached_at_or_below_denses_and_an_accuracy_at_or_above():
   run = {"curve": [(1.0, 10, 3.0, 0), (2.0, 20, 2.0, 0)], "higher_is_better": False}
   assert cluster.time_to_target(run, 2.5) == 2.0 and cluster.time_to_target(run, 1.0) is None
   assert cluster.time_to_target({**run, "higher_is_better": True}, 2.5) == 1.0
+  # Dense's final score averages its last three evaluations in its last tenth of steps only.
+  curve = [(1.0, step, 3.0 - step / 100, 0) for step in (50, 100, 150, 180, 190, 200)]
+  assert cluster.dense_target([{"variant": "dense", "curve": curve, "steps": 200}]) == (
+      pytest.approx(1.1))
+  coarse = [point for point in curve if point[1] % 50 == 0]
+  assert cluster.dense_target([{"variant": "dense", "curve": coarse, "steps": 200}]) == 1.0
   assert cluster.score_name({**run, "metric": "test_loss"}) == "test loss"
   assert cluster.score_name({"curve": []}) == "test acc."  # runs recorded before the field

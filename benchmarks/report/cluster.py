@@ -106,8 +106,8 @@ def _accuracy_tables(rep, accuracy: dict, table) -> list[str]:
     plot = cluster.plot_curves(runs, rep.results / f"time_to_accuracy_{rate}.png",
                                f"digits, MLP 64-2048-2048-10, 4 processes at {rate}")
     parts += [f"**{rate}**: dense's final score {cluster.dense_target(runs):.4f} (mean of its "
-              "last three evaluations); 's to dense's': seconds to it; density: indices sent / "
-              "N at each evaluation; bytes per worker per step.", "",
+              "last three evaluations in its last tenth of steps); 's to dense's': seconds to "
+              "it; density: indices sent / N at each evaluation; bytes per worker per step.", "",
               table(list(rows[0]), [list(row.values()) for row in rows]), "",
               f"![{plot.name}]({plot.name})", ""]
   return parts
