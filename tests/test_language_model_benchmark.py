@@ -95,3 +95,33 @@ def test_a_variant_may_scale_its_peak_rate():
   # The second step's: the first is the warm-up's, at rate 0.
   np.testing.assert_allclose(last_update("sparse_adamw_dense", [], steps=2, lr_scale=2.0),
                              2 * last_update("sparse_adamw_dense", [], steps=2), rtol=1e-6)
+
+
+def test_the_cluster_section_reads_each_demo_run_against_its_own_dense():
+  """`benchmarks.cluster_lm` keeps each `exdyna-jax demo --processes 4` run whole; the REPORT
+  gives every method its link, its recipe and its time to its own run's dense loss."""
+  from benchmarks import cluster_lm
+  from benchmarks.report import cluster_lm as cluster_section
+
+  local = cluster_lm.recipes([10])["local steps, H = 10"]
+  assert local[local.index("--sync-every") + 1] == "10" and "all_reduce" in local
+
+  def demo_run(rate, recipe, dense_seconds, method_seconds):
+    def run(variant, seconds, losses, steps):
+      curve = [(s, (i + 1) * steps // 2, loss, 0)
+               for i, (s, loss) in enumerate(zip(seconds, losses, strict=True))]
+      return {"variant": variant, "curve": curve, "steps": steps, "median_step_ms": 1.0,
+              "higher_is_better": False, "metric": "test_loss", "num_elements": 10,
+              "bytes_sent": 40 if variant == "dense" else 1}
+    return {"recipe": recipe, "link_rate": rate, "command": f"exdyna-jax demo {rate}",
+            "runs": [run("dense", dense_seconds, [3.0, 2.0], 20),
+                     run("chunked_topk", method_seconds, [2.5, 1.5], 200)]}
+
+  data = {"task": "lm", "invocations": [demo_run("100mbit", "local", [30.0, 60.0], [10.0, 20.0]),
+                                         demo_run("1gbit", "local", [20.0, 40.0], [5.0, 20.0])]}
+  report = _format.Report(None)
+  cluster_section.cluster_lm_section(report, data, _format.table)
+  text = "\n".join(report.parts)
+  assert "| 100mbit | local | chunked_topk | 200 | 1 | 1.5000 | 20.0 | 3.00x |" in text
+  assert "| 1gbit | local | chunked_topk | 200 | 1 | 1.5000 | 20.0 | 2.00x |" in text
+  assert "`exdyna-jax demo 1gbit`" in text

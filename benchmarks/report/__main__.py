@@ -4,8 +4,9 @@ Run: python -m benchmarks.report [--results DIR]
 
 Reads ``cost.json``, ``traffic.json``, ``collectives.json``,
 ``scale_model.json``, ``density_control.json``, ``training_options.json``,
-``profile.json``, ``optimizer_state.json``, ``cluster.json``, ``gpu.json``,
-``language_model.json`` and ``language_model_code.json`` (any may be
+``profile.json``, ``optimizer_state.json``, ``cluster.json``,
+``cluster_lm.json``, ``gpu.json``, ``language_model.json`` and
+``language_model_code.json`` (any may be
 missing; its section then says so) and writes ``REPORT.md`` plus ``*.png``
 next to them, with the hand-written reading in ``SUMMARY.md`` after the
 header. Each section is a module of this package.
@@ -20,6 +21,7 @@ import sys
 from benchmarks import _common
 from benchmarks.report import (
     cluster,
+    cluster_lm,
     cost,
     density,
     gpu,
@@ -82,7 +84,8 @@ def main():
   results = pathlib.Path(args.results)
   names = (
       "cost", "traffic", "collectives", "scale_model", "density_control", "training_options",
-      "profile", "optimizer_state", "cluster", "gpu", "language_model", "language_model_code",
+      "profile", "optimizer_state", "cluster", "cluster_lm", "gpu", "language_model",
+      "language_model_code",
   )
   sources = {name: load(results, name) for name in names}
   rep = Report(results)
@@ -96,6 +99,7 @@ def main():
   memory.optimizer_state_section(rep, sources["optimizer_state"])
   cost.profile_section(rep, sources["profile"], sources["cost"])
   cluster.cluster_section(rep, sources["cluster"], table)
+  cluster_lm.cluster_lm_section(rep, sources["cluster_lm"], table)
   for name in ("language_model", "language_model_code"):  # the second corpus, if run
     language_model.language_model_section(rep, sources[name], table, name)
   gpu.gpu_section(rep, sources["gpu"])

@@ -112,6 +112,7 @@ def dense_target(runs: Sequence[dict[str, Any]]) -> float:
   """
   dense = next(run for run in runs if run["variant"] == "dense")
   last = [point[2] for point in dense["curve"] if point[1] >= 0.9 * dense["steps"]][-3:]
+  last = last or [dense["curve"][-1][2]]
   return sum(last) / len(last)
 
 
