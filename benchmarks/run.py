@@ -21,8 +21,8 @@ cluster             the train step and time to accuracy over shaped links
                     when named, ``--only cluster,report``)
 cluster_lm          the language model's time to dense's test loss over
                     shaped links, per step and with local steps
-                    (``cluster_lm.py``; root, about 20 minutes: only run
-                    when named)
+                    (``cluster_lm.py``; root, about 25 minutes: only run
+                    when named); cluster_lm_code: the same on Python's source
 language_model      a byte-level transformer: test loss, bytes and time to
                     dense's loss per exchange (``language_model.py``; about
                     30 minutes: only run when named); language_model_code:
@@ -56,13 +56,14 @@ PARTS = (
   "cost",
   "cluster",
   "cluster_lm",
+  "cluster_lm_code",
   "language_model",
   "language_model_code",
   "report",
 )
 # Only when named: root and an hour; root and twenty minutes; twenty minutes.
 DEFAULT_PARTS = tuple(part for part in PARTS if part not in (
-    "cluster", "cluster_lm", "language_model", "language_model_code"))
+    "cluster", "cluster_lm", "cluster_lm_code", "language_model", "language_model_code"))
 
 
 # The second corpus: the baseline and the references, per-step ExDyna both ways and Top-k,
@@ -92,6 +93,7 @@ def commands(results: pathlib.Path, quick: bool, cost_budget: float) -> dict[str
     "cost": ["cost", *q, "--budget", str(cost_budget), *out["cost"]],
     "cluster": ["cluster", *q, *out["cluster"]],
     "cluster_lm": ["cluster_lm", *out["cluster_lm"]],
+    "cluster_lm_code": ["cluster_lm", "--task", "lm-code", *out["cluster_lm_code"]],
     "language_model": ["language_model", *q, *out["language_model"]],
     "language_model_code": ["language_model", *q, "--corpus", "code", "--variants",
                             CODE_CORPUS_VARIANTS, *out["language_model_code"]],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 import types
@@ -256,6 +257,7 @@ def _check_method_options(parser: argparse.ArgumentParser, args: argparse.Namesp
   if (args.value_bits, args.wire) != (None, "all_gather") and "chunked_topk" not in methods:
     parser.error("--value-bits and --wire are chunked_topk's options: add --method chunked_topk")
   config = _demo_config(args, task=args.task or "digits", steps=1, eval_every=1)
+  config = dataclasses.replace(config, network=None)  # checked already; "measure" comes later
   for method in methods:
     try:
       recipes.sparsifier_for(method, config)

@@ -231,6 +231,8 @@ def test_value_bits_and_the_wire_reach_chunked_topk_and_are_refused_elsewhere(ca
     with pytest.raises(SystemExit) as exit_info:
       _cli.main(["demo", *bad])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+  parser = _cli.build_parser()  # the network ExDyna is told is measured later: no error
+  _cli._check_method_options(parser, parser.parse_args(["demo", "--network", "measure"]))
 
 
 @pytest.mark.parametrize("task, optimizer, rate", [

@@ -5,7 +5,7 @@ Run: python -m benchmarks.report [--results DIR]
 Reads ``cost.json``, ``traffic.json``, ``collectives.json``,
 ``scale_model.json``, ``density_control.json``, ``training_options.json``,
 ``profile.json``, ``optimizer_state.json``, ``cluster.json``,
-``cluster_lm.json``, ``gpu.json``, ``language_model.json`` and
+``cluster_lm.json``, ``cluster_lm_code.json``, ``gpu.json``, ``language_model.json`` and
 ``language_model_code.json`` (any may be
 missing; its section then says so) and writes ``REPORT.md`` plus ``*.png``
 next to them, with the hand-written reading in ``SUMMARY.md`` after the
@@ -84,8 +84,8 @@ def main():
   results = pathlib.Path(args.results)
   names = (
       "cost", "traffic", "collectives", "scale_model", "density_control", "training_options",
-      "profile", "optimizer_state", "cluster", "cluster_lm", "gpu", "language_model",
-      "language_model_code",
+      "profile", "optimizer_state", "cluster", "cluster_lm", "cluster_lm_code", "gpu",
+      "language_model", "language_model_code",
   )
   sources = {name: load(results, name) for name in names}
   rep = Report(results)
@@ -99,7 +99,8 @@ def main():
   memory.optimizer_state_section(rep, sources["optimizer_state"])
   cost.profile_section(rep, sources["profile"], sources["cost"])
   cluster.cluster_section(rep, sources["cluster"], table)
-  cluster_lm.cluster_lm_section(rep, sources["cluster_lm"], table)
+  for name in ("cluster_lm", "cluster_lm_code"):  # the second corpus, if run
+    cluster_lm.cluster_lm_section(rep, sources[name], table, name)
   for name in ("language_model", "language_model_code"):  # the second corpus, if run
     language_model.language_model_section(rep, sources[name], table, name)
   gpu.gpu_section(rep, sources["gpu"])

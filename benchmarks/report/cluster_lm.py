@@ -14,10 +14,13 @@ def _rows(invocation: dict[str, Any]) -> list[list[str]]:
           for row in cluster.summary_rows(invocation["runs"])]
 
 
-def cluster_lm_section(rep, data: dict[str, Any] | None, table) -> None:
-  """Adds the language model's emulated-cluster section to ``rep``."""
+def cluster_lm_section(rep, data: dict[str, Any] | None, table,
+                       name: str = "cluster_lm") -> None:
+  """Adds the language model's emulated-cluster section to ``rep``, from ``name``.json."""
   title = "## Emulated cluster: the language model's time to dense's test loss"
-  if not rep.begin(title, data, "cluster_lm.json (python -m benchmarks.cluster_lm, as root)"):
+  if name != "cluster_lm":
+    title += f" ({name}.json)"
+  if not rep.begin(title, data, f"{name}.json (python -m benchmarks.cluster_lm, as root)"):
     return
   invocations = data["invocations"]
   header = ["link", "recipe", *cluster.summary_rows(invocations[0]["runs"])[0]]
