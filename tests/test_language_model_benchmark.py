@@ -113,7 +113,8 @@ def test_the_cluster_section_reads_each_demo_run_against_its_own_dense():
       return {"variant": variant, "curve": curve, "steps": steps, "median_step_ms": 1.0,
               "higher_is_better": False, "metric": "test_loss", "num_elements": 10,
               "bytes_sent": 40 if variant == "dense" else 1}
-    return {"recipe": recipe, "link_rate": rate, "command": f"exdyna-jax demo {rate}",
+    return {"recipe": recipe, "link_rate": rate,
+            "command": f"exdyna-jax demo --link-rate {rate} --method chunked_topk --density 1",
             "runs": [run("dense", dense_seconds, [3.0, 2.0], 20),
                      run("chunked_topk", method_seconds, [2.5, 1.5], 200)]}
 
@@ -124,4 +125,5 @@ def test_the_cluster_section_reads_each_demo_run_against_its_own_dense():
   text = "\n".join(report.parts)
   assert "| 100mbit | local | chunked_topk | 200 | 1 | 1.5000 | 20.0 | 3.00x |" in text
   assert "| 1gbit | local | chunked_topk | 200 | 1 | 1.5000 | 20.0 | 2.00x |" in text
-  assert "`exdyna-jax demo 1gbit`" in text
+  assert "Each run: `exdyna-jax demo --link-rate RATE` and the recipe's arguments (local: " \
+         "`--method chunked_topk --density 1`)" in text

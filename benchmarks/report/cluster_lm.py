@@ -24,7 +24,10 @@ def cluster_lm_section(rep, data: dict[str, Any] | None, table,
     return
   invocations = data["invocations"]
   header = ["link", "recipe", *cluster.summary_rows(invocations[0]["runs"])[0]]
-  commands = "; ".join(f"`{i['command']}`" for i in invocations)
+  command = invocations[0]["command"].split(" --method ")[0]
+  command = command.replace(invocations[0]["link_rate"], "RATE")
+  recipes = {i["recipe"]: "--method " + i["command"].split(" --method ")[1] for i in invocations}
+  commands = "; ".join(f"{recipe}: `{arguments}`" for recipe, arguments in recipes.items())
   rep.add(
       f"`python -m benchmarks.cluster_lm` (task `{data['task']}`, the 0.42M byte-level "
       "transformer, AdamW; 4 processes of one CPU device each, every one behind its own "
@@ -34,5 +37,5 @@ def cluster_lm_section(rep, data: dict[str, Any] | None, table,
       "'s to dense's' when it first reached dense's final test loss (the mean of its last "
       "three evaluations in its last tenth of steps), 'sooner' dense's time over it. "
       "Density: indices sent / N at each evaluation; bytes: per worker, the run's mean "
-      f"per step. The runs: {commands}.\n\n"
+      f"per step. Each run: `{command}` and the recipe's arguments ({commands}).\n\n"
       + table(header, [row for invocation in invocations for row in _rows(invocation)]))
