@@ -4,7 +4,7 @@ Runs ``exdyna-jax demo --processes 4 --task lm --link-rate RATE`` as a user
 does, once per link rate and recipe: each run trains dense for 200 steps,
 then every other method for dense's seconds (its schedule over the steps
 that fit them), and says when each first reached dense's final test loss.
-The recipes (`RECIPES`): the per-step AdamW recipes at 1 % (`topk_union`
+The recipes (`recipes`): the per-step AdamW recipes at 1 % (`topk_union`
 and ExDyna), and local steps of AdamW with every element in 2 bits on a
 quantized all-reduce every ``H`` steps (``--method chunked_topk --density 1
 --value-bits 2 --wire all_reduce --sync-every H``).
