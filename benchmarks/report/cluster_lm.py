@@ -6,6 +6,40 @@ from typing import Any
 
 from exdyna_jax.demo import cluster
 
+# Issue 47's goals for local steps: times sooner than dense to dense's final test loss.
+GOALS = {"1gbit": 3.0, "100mbit": 10.0}
+
+
+def speedups(invocations: list[dict[str, Any]]) -> dict[tuple[str, str, str], float]:
+  """``{(link rate, recipe, method): dense's seconds over the method's}`` to dense's final loss
+  in each demo run (methods that did not reach it left out)."""
+  found = {}
+  for invocation in invocations:
+    runs, target = invocation["runs"], cluster.dense_target(invocation["runs"])
+    dense = cluster.time_to_target(next(r for r in runs if r["variant"] == "dense"), target)
+    for run in runs:
+      reached = cluster.time_to_target(run, target)
+      if run["variant"] != "dense" and reached and dense:
+        found[invocation["link_rate"], invocation["recipe"], run["variant"]] = dense / reached
+  return found
+
+
+def _targets(rep, task: str, invocations: list[dict[str, Any]]) -> None:
+  """The goals' rows: the soonest local steps against dense, and against per-step ExDyna."""
+  found = speedups(invocations)
+  for rate, goal in GOALS.items():
+    local = max((x for (r, recipe, _), x in found.items()
+                 if r == rate and recipe.startswith("local")), default=None)
+    exdyna = next((x for (r, _, method), x in found.items()
+                   if r == rate and method == "exdyna"), None)
+    if local is None:
+      continue
+    rep.target(f"cluster, {task}: dense / local steps, time to dense's test loss (n = 4, "
+               f"{rate})", f">= {goal:g}", f"{local:.2f}", local >= goal)
+    if exdyna is not None:
+      rep.target(f"cluster, {task}: per-step exdyna / local steps, time to dense's test loss "
+                 f"(n = 4, {rate})", "> 1", f"{local / exdyna:.2f}", local > exdyna)
+
 
 def _rows(invocation: dict[str, Any]) -> list[list[str]]:
   """One row per method of a demo run: its link rate and recipe, then the demo's columns."""
@@ -39,3 +73,4 @@ def cluster_lm_section(rep, data: dict[str, Any] | None, table,
       "Density: indices sent / N at each evaluation; bytes: per worker, the run's mean "
       f"per step. Each run: `{command}` and the recipe's arguments ({commands}).\n\n"
       + table(header, [row for invocation in invocations for row in _rows(invocation)]))
+  _targets(rep, data["task"], invocations)
