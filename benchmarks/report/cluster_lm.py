@@ -48,6 +48,20 @@ def _rows(invocation: dict[str, Any]) -> list[list[str]]:
           for row in cluster.summary_rows(invocation["runs"])]
 
 
+def _plot(rep, name: str, task: str, rate: str, invocations: list[dict[str, Any]]) -> str:
+  """Test loss against seconds at ``rate``: the first run's dense and every method of every run,
+  a local run's method named with its recipe."""
+  at_rate = [invocation for invocation in invocations if invocation["link_rate"] == rate]
+  runs = [next(run for run in at_rate[0]["runs"] if run["variant"] == "dense")]
+  for invocation in at_rate:
+    local = invocation["recipe"].startswith("local")
+    runs += [{**run, "variant": f"{run['variant']} ({invocation['recipe']})" if local
+              else run["variant"]} for run in invocation["runs"] if run["variant"] != "dense"]
+  path = cluster.plot_curves(runs, rep.results / f"{name}_{rate}.png",
+                             f"{task}, 0.42M transformer, 4 processes at {rate}")
+  return f"![{path.name}]({path.name})"
+
+
 def cluster_lm_section(rep, data: dict[str, Any] | None, table,
                        name: str = "cluster_lm") -> None:
   """Adds the language model's emulated-cluster section to ``rep``, from ``name``.json."""
@@ -73,4 +87,6 @@ def cluster_lm_section(rep, data: dict[str, Any] | None, table,
       "Density: indices sent / N at each evaluation; bytes: per worker, the run's mean "
       f"per step. Each run: `{command}` and the recipe's arguments ({commands}).\n\n"
       + table(header, [row for invocation in invocations for row in _rows(invocation)]))
+  rates = dict.fromkeys(invocation["link_rate"] for invocation in invocations)
+  rep.add("\n\n".join(_plot(rep, name, data["task"], rate, invocations) for rate in rates))
   _targets(rep, data["task"], invocations)
