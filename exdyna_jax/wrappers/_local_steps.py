@@ -11,9 +11,10 @@ parameters, and every worker starts the next round from them.
 
 With ``dense()`` and an outer Nesterov step this is DiLoCo; with a sparse
 compressor and a plain outer step of rate 1 (the residual carries what the
-outer momentum would) it is SparseLoCo, with ExDyna's exclusive partitions
-in place of per-worker top-k: the workers' selections never overlap, so the
-traffic stays at the density asked whatever their number.
+outer momentum would) it is SparseLoCo. ``chunked_topk`` is SparseLoCo's
+compressor (each worker's largest of every chunk, in a few bits);
+``exdyna``'s exclusive partitions keep the traffic at the density asked
+whatever the workers' number, as their selections never overlap.
 """
 
 from __future__ import annotations
@@ -177,7 +178,6 @@ def find(opt_state: Any) -> LocalStepsState | None:
   if len(found) > 1:
     raise ValueError("The optimizer state holds several local_steps states: nest none in another.")
   return found[0] if found else None
-
 
 
 def worker_params(opt_state: Any, params: Any) -> Any:
