@@ -26,7 +26,8 @@ cluster_lm          the language model's time to dense's test loss over
 language_model      a byte-level transformer: test loss, bytes and time to
                     dense's loss per exchange (``language_model.py``; about
                     30 minutes: only run when named); language_model_code:
-                    the same on a second corpus (Python's source), fewer runs
+                    the same on a second corpus (Python's source), fewer runs;
+                    language_model_5m: a 5.6M-parameter model (about 4 hours)
 report              ``REPORT.md`` and plots (``report.py``)
 ==================  ==========================================================
 
@@ -59,11 +60,13 @@ PARTS = (
   "cluster_lm_code",
   "language_model",
   "language_model_code",
+  "language_model_5m",
   "report",
 )
-# Only when named: root and an hour; root and twenty minutes; twenty minutes.
+# Only when named: root and an hour; root and twenty minutes; half an hour to hours.
 DEFAULT_PARTS = tuple(part for part in PARTS if part not in (
-    "cluster", "cluster_lm", "cluster_lm_code", "language_model", "language_model_code"))
+    "cluster", "cluster_lm", "cluster_lm_code", "language_model", "language_model_code",
+    "language_model_5m"))
 
 
 # The second corpus: the baseline and the references, per-step ExDyna both ways and Top-k,
@@ -74,6 +77,15 @@ CODE_CORPUS_VARIANTS = ("ddp,sparse_adamw_dense,sparse_adamw_oracle@0.01,exdyna@
                         "sparse_adamw@0.01:900,sparse_adamw_topk_steered@0.00125:900,"
                         "sparse_adamw_topk_steered@0.00125@2xlr,"
                         "sparse_adamw_topk_steered@0.00125@2xlr:900")
+# The 5.6M-parameter model (width 256, 7 blocks, dense AdamW's peak 3e-3): dense at three
+# rates, the AdamW recipe and its references, per-step ExDyna both ways, DiLoCo, local steps.
+LARGE_MODEL = ["--width", "256", "--layers", "7", "--learning-rate", "3e-3"]
+LARGE_MODEL_VARIANTS = ("ddp,ddp@0.5xlr,sparse_adamw_dense,exdyna@0.01,sparse_adamw@0.01,"
+                        "sparse_adamw_topk_steered@0.00125,sparse_adamw_topk_steered@0.00125@2xlr,"
+                        "sparse_adamw_topk_steered@0.00125@0.5xlr,"
+                        "sparse_adamw_topk_steered@0.000125,diloco@10,diloco@30,local@10@1.0,"
+                        "local_topk@10@0.05,local@30@0.05@bf16,local_chunked_topk@10@1.0@2ar2,"
+                        "ddp:900,ddp@0.5xlr:900,sparse_adamw_topk_steered@0.00125:900")
 
 
 def commands(results: pathlib.Path, quick: bool, cost_budget: float) -> dict[str, list[str]]:
@@ -97,6 +109,8 @@ def commands(results: pathlib.Path, quick: bool, cost_budget: float) -> dict[str
     "language_model": ["language_model", *q, *out["language_model"]],
     "language_model_code": ["language_model", *q, "--corpus", "code", "--variants",
                             CODE_CORPUS_VARIANTS, *out["language_model_code"]],
+    "language_model_5m": ["language_model", *q, *LARGE_MODEL, "--variants",
+                          LARGE_MODEL_VARIANTS, *out["language_model_5m"]],
     "report": ["report", "--results", str(results)],
   }
 

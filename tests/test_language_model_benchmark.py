@@ -32,7 +32,16 @@ def test_quick_run_records_each_variant_and_the_report_compares_them_with_ddp(tm
   section.language_model_section(report, data, _format.table, "language_model")
   text = "\n".join(report.parts)
   assert "| `local@4@0.1:16` | 16 |" in text and "steps to ddp's loss" in text
+  size = runs["ddp"]["transmitted"] / runs["ddp"]["exchanges"]  # dense sends every parameter
+  assert size == _parameters_of_the_quick_model()
+  assert f"## Language model (docs corpus, {size / 1e6:.2g}M parameters)" in text
   assert (tmp_path / "language_model.png").exists()
+
+
+def _parameters_of_the_quick_model() -> int:
+  from exdyna_jax.demo.language_model import language_model_task
+  task = language_model_task("docs", context=16, width=16, layers=1, heads=2, test_windows=16)
+  return sum(leaf.size for leaf in jax.tree.leaves(task.init_params(jax.random.key(0))))
 
 
 def test_append_keeps_runs_made_with_the_same_settings_only(tmp_path):

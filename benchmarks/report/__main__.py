@@ -5,8 +5,8 @@ Run: python -m benchmarks.report [--results DIR]
 Reads ``cost.json``, ``traffic.json``, ``collectives.json``,
 ``scale_model.json``, ``density_control.json``, ``training_options.json``,
 ``profile.json``, ``optimizer_state.json``, ``cluster.json``,
-``cluster_lm.json``, ``cluster_lm_code.json``, ``gpu.json``, ``language_model.json`` and
-``language_model_code.json`` (any may be
+``cluster_lm.json``, ``cluster_lm_code.json``, ``gpu.json``, ``language_model.json``,
+``language_model_code.json`` and ``language_model_5m.json`` (any may be
 missing; its section then says so) and writes ``REPORT.md`` plus ``*.png``
 next to them, with the hand-written reading in ``SUMMARY.md`` after the
 header. Each section is a module of this package.
@@ -85,7 +85,7 @@ def main():
   names = (
       "cost", "traffic", "collectives", "scale_model", "density_control", "training_options",
       "profile", "optimizer_state", "cluster", "cluster_lm", "cluster_lm_code", "gpu",
-      "language_model", "language_model_code",
+      "language_model", "language_model_code", "language_model_5m",
   )
   sources = {name: load(results, name) for name in names}
   rep = Report(results)
@@ -101,7 +101,7 @@ def main():
   cluster.cluster_section(rep, sources["cluster"], table)
   for name in ("cluster_lm", "cluster_lm_code"):  # the second corpus, if run
     cluster_lm.cluster_lm_section(rep, sources[name], table, name)
-  for name in ("language_model", "language_model_code"):  # the second corpus, if run
+  for name in ("language_model", "language_model_code", "language_model_5m"):  # if run
     language_model.language_model_section(rep, sources[name], table, name)
   gpu.gpu_section(rep, sources["gpu"])
   targets = (

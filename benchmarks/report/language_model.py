@@ -65,12 +65,13 @@ def _rows(data: dict[str, Any], ddp: dict) -> list[list[str]]:
 
 
 def language_model_section(rep, data: dict[str, Any] | None, table, name: str) -> None:
-  """Adds the section of ``name``.json (a corpus's runs), its table and its plots."""
+  """Adds the section of ``name``.json (a corpus's or a model's runs), its table and plots."""
   corpus = data["config"]["corpus"] if data else name
-  if not rep.begin(f"## Language model ({corpus} corpus): quality, bytes and time to dense's "
-                   f"loss", data, f"{name}.json (python -m benchmarks.language_model)"):
+  ddp = next((run for run in data["runs"] if run["variant"] == "ddp"), None) if data else None
+  size = f", {ddp['transmitted'] / ddp['exchanges'] / 1e6:.2g}M parameters" if ddp else ""
+  if not rep.begin(f"## Language model ({corpus} corpus{size}): quality, bytes and time to "
+                   f"dense's loss", data, f"{name}.json (python -m benchmarks.run --only {name})"):
     return
-  ddp = next((run for run in data["runs"] if run["variant"] == "ddp"), None)
   if ddp is None:
     rep.add("_No `ddp` run to compare with._")
     return

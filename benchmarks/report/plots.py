@@ -130,12 +130,12 @@ def loss_curves(panels: Sequence[tuple[str, str, dict[str, list[tuple[float, flo
   """Panels ``(title, x label, {run: [(x, loss)]})``; a dotted line at ``target``.
 
   A run and its longer version (``name:steps``, dashed) share a colour;
-  ``ddp`` is black.
+  ``ddp`` is black; over ten runs, twenty colours.
   """
   fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
-  palette = plt.get_cmap("tab10").colors
   for ax, (title, xlabel, curves) in zip(axes[0], panels, strict=True):
     bases = list(dict.fromkeys(name.partition(":")[0] for name in curves if name != "ddp"))
+    palette = plt.get_cmap("tab10" if len(bases) <= 10 else "tab20").colors
     for name, points in curves.items():
       base = name.partition(":")[0]
       color = "k" if base == "ddp" else palette[bases.index(base) % len(palette)]
