@@ -77,8 +77,8 @@ CODE_CORPUS_VARIANTS = ("ddp,sparse_adamw_dense,sparse_adamw_oracle@0.01,exdyna@
                         "sparse_adamw@0.01:900,sparse_adamw_topk_steered@0.00125:900,"
                         "sparse_adamw_topk_steered@0.00125@2xlr,"
                         "sparse_adamw_topk_steered@0.00125@2xlr:900")
-# The 5.6M-parameter model (width 256, 7 blocks, dense AdamW's peak 3e-3): dense at three
-# rates, the AdamW recipe and its references, per-step ExDyna both ways, DiLoCo, local steps.
+# The 5.6M-parameter model (width 256, 7 blocks, dense AdamW's peak 3e-3): dense at two rates,
+# the AdamW recipe at three and its reference, per-step ExDyna both ways, DiLoCo, local steps.
 LARGE_MODEL = ["--width", "256", "--layers", "7", "--learning-rate", "3e-3"]
 LARGE_MODEL_VARIANTS = ("ddp,ddp@0.5xlr,sparse_adamw_dense,exdyna@0.01,sparse_adamw@0.01,"
                         "sparse_adamw_topk_steered@0.00125,sparse_adamw_topk_steered@0.00125@2xlr,"

@@ -13,6 +13,7 @@ import pytest
 from benchmarks import language_model
 from benchmarks.report import _format
 from benchmarks.report import language_model as section
+from exdyna_jax.demo.language_model import language_model_task
 from tests import harness
 
 pytestmark = pytest.mark.slow  # the tools end to end: `-m "not slow"` leaves them out
@@ -39,7 +40,6 @@ def test_quick_run_records_each_variant_and_the_report_compares_them_with_ddp(tm
 
 
 def _parameters_of_the_quick_model() -> int:
-  from exdyna_jax.demo.language_model import language_model_task
   task = language_model_task("docs", context=16, width=16, layers=1, heads=2, test_windows=16)
   return sum(leaf.size for leaf in jax.tree.leaves(task.init_params(jax.random.key(0))))
 

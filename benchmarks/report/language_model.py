@@ -70,7 +70,7 @@ def language_model_section(rep, data: dict[str, Any] | None, table, name: str) -
   ddp = next((run for run in data["runs"] if run["variant"] == "ddp"), None) if data else None
   size = f", {ddp['transmitted'] / ddp['exchanges'] / 1e6:.2g}M parameters" if ddp else ""
   if not rep.begin(f"## Language model ({corpus} corpus{size}): quality, bytes and time to "
-                   f"dense's loss", data, f"{name}.json (python -m benchmarks.run --only {name})"):
+                   "dense's loss", data, f"{name}.json (python -m benchmarks.run --only {name})"):
     return
   if ddp is None:
     rep.add("_No `ddp` run to compare with._")
