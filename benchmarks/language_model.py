@@ -15,6 +15,8 @@ scales its peak rate by ``F``, e.g. ``sparse_adamw_topk_steered@0.00125@2xlr``):
 - ``ddp``: dense all-reduce, ``chain(dense(), clip, adamw)``;
 - ``exdyna@D``: per-step ExDyna then AdamW, ``chain(exdyna(D), clip, adamw)``;
 - ``sparse_adamw@D``: ``chain(clip, sparse_adamw(exdyna(D), ...))``;
+  ``sparse_adamw_chunked_topk@D@2``: values in 2 bits (the values' format
+  after the density, as for ``local``);
 - ``diloco@H``: `local_steps` of ``chain(clip, adamw)``, ``dense()``, outer
   Nesterov (0.7, 0.9);
 - ``local@H@D``: `local_steps` with ``exdyna(D)`` and the default outer
@@ -153,30 +155,30 @@ def optimizer(kind: str, rest: list[str], steps: int, args: argparse.Namespace,
   adamw = optax.chain(clip, optax.adamw(lr, weight_decay=args.weight_decay))
   method, base = compressor_of(kind)
 
-  def compressor(density: str, value_dtype: str = "float32"):
+  def compressor(density: str, values: str = "float32"):
     options = {"chunk": args.chunk} if method == "chunked_topk" else {}
+    value_dtype = {"bf16": "bfloat16"}.get(values, values)
     return COMPRESSORS[method](density=float(density), value_dtype=value_dtype, **options)
 
   if base == "ddp":
     return optax.chain(exdyna_jax.dense(), adamw)
   if base == method:
-    return optax.chain(compressor(rest[0]), adamw)
+    return optax.chain(compressor(*rest[:2]), adamw)
   if base in ("sparse_adamw", "sparse_adamw_dense", "sparse_adamw_oracle"):
     if kind == "sparse_adamw_dense":
       exchange = exdyna_jax.dense()
     elif kind == "sparse_adamw_oracle":
       exchange = optax.chain(exdyna_jax.dense(), global_topk_feedback(float(rest[0])))
     else:
-      exchange = compressor(rest[0])
+      exchange = compressor(*rest[:2])
     return optax.chain(clip, exdyna_jax.sparse_adamw(exchange, lr, weight_decay=args.weight_decay))
   if base == "diloco":
     return exdyna_jax.local_steps(
         adamw, sync_every=int(rest[0]), compressor=exdyna_jax.dense(),
         outer=optax.sgd(args.outer_learning_rate, momentum=0.9, nesterov=True))
   if base == "local":
-    value_dtype = {"bf16": "bfloat16"}.get(rest[2], rest[2]) if len(rest) > 2 else "float32"
     return exdyna_jax.local_steps(adamw, sync_every=int(rest[0]),
-                                  compressor=compressor(rest[1], value_dtype))
+                                  compressor=compressor(*rest[1:3]))
   raise ValueError(f"unknown variant {kind!r}")
 
 

@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "exdyna_jax.sparse_adamw) (default: sgd; adamw for the lm tasks)")
   demo.add_argument("--learning-rate", type=float, default=None,
                     help="learning rate, AdamW's peak (default: 0.3 for sgd; for adamw 3e-3, "
-                    f"6e-3 on the lm tasks, {TOPK_UNION} at twice it, as docs/usage.md advises)")
+                    f"6e-3 on the lm tasks; per step, {TOPK_UNION} and chunked_topk at twice "
+                    "it, as docs/usage.md advises)")
   demo.add_argument("--sync-every", type=_int_at_least(1), default=1, metavar="H",
                     help="local steps: every method but dense takes H steps alone and "
                     "exchanges the pseudo-gradient at --density (exdyna_jax.local_steps; "

@@ -291,8 +291,9 @@ def test_topk_union_shares_the_density_among_the_workers_and_is_the_lm_tasks_def
   assert recipes.per_worker({0: 0.25, 10: 0.04}, 4) == {0: 0.0625, 10: 0.01}
 
 
-def test_under_adamw_topk_union_is_the_recipe_at_twice_the_peak_rate():
-  """docs/usage.md's advice: the AdamW recipe at twice dense's peak; the others at the peak."""
+@pytest.mark.parametrize("method", ["topk_union", "chunked_topk"])
+def test_under_adamw_the_per_step_recipes_run_at_twice_the_peak_rate(method):
+  """docs/usage.md's advice: the AdamW recipes, per step, at twice dense's peak."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -302,17 +303,21 @@ def test_under_adamw_topk_union_is_the_recipe_at_twice_the_peak_rate():
   from exdyna_jax.demo import recipes
 
   config = recipes.TrainConfig(steps=10, density=0.5, learning_rate=1e-2, warmup_steps=2,
-                               optimizer="adamw")
+                               optimizer="adamw", value_bits=2)
   peak = 2 * config.learning_rate
+  sparsifier = {
+      "topk_union": exdyna_jax.topk(config.density / 8, exact=False, axis_name=recipes.AXIS),
+      "chunked_topk": exdyna_jax.chunked_topk(config.density, value_bits=2,
+                                              axis_name=recipes.AXIS)}[method]
   recipe = optax.chain(optax.clip_by_global_norm(1.0), exdyna_jax.sparse_adamw(
-      exdyna_jax.topk(config.density / 8, exact=False, axis_name=recipes.AXIS),
-      optax.warmup_cosine_decay_schedule(0.0, peak, 2, 10, peak / 10), weight_decay=0.01))
+      sparsifier, optax.warmup_cosine_decay_schedule(0.0, peak, 2, 10, peak / 10),
+      weight_decay=0.01))
   grads = jax.random.normal(jax.random.key(0), (8, 1, 64)).repeat(2, axis=1)
 
   def second_update(tx):  # the first is the warm-up's, at rate 0
     return harness.run_vmap(tx, jnp.ones(64), grads)[0][:, 1]
 
-  np.testing.assert_allclose(second_update(recipes.optimizer_for("topk_union", config, 8)),
+  np.testing.assert_allclose(second_update(recipes.optimizer_for(method, config, 8)),
                              second_update(recipe), rtol=1e-6)
   assert np.abs(second_update(recipe)).max() > 0
 

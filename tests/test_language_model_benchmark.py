@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import exdyna_jax
 from benchmarks import language_model
 from benchmarks.report import _format
 from benchmarks.report import language_model as section
@@ -105,6 +106,19 @@ def test_a_variant_may_scale_its_peak_rate():
   np.testing.assert_allclose(last_update("sparse_adamw_dense", [], steps=2, lr_scale=2.0),
                              2 * last_update("sparse_adamw_dense", [], steps=2), rtol=1e-6)
 
+
+@pytest.mark.parametrize("values", [["2"], []])
+def test_a_per_step_variant_takes_its_values_after_the_density(values):
+  """``sparse_adamw_chunked_topk@0.25@2`` sends what ``chunked_topk(0.25, value_bits=2)`` sends."""
+  args = argparse.Namespace(**vars(ARGS), chunk=64)
+  grads = jax.random.normal(jax.random.key(0), (8, 1, 64))
+
+  def bytes_sent(tx):
+    return int(exdyna_jax.get_stats(harness.run_vmap(tx, jnp.ones(64), grads)[2]).bytes_sent[0])
+
+  variant = language_model.optimizer("sparse_adamw_chunked_topk", ["0.25", *values], 4, args)
+  bits = {"value_bits": int(values[0])} if values else {}
+  assert bytes_sent(variant) == bytes_sent(exdyna_jax.chunked_topk(0.25, chunk=64, **bits))
 
 def test_the_cluster_section_reads_each_demo_run_against_its_own_dense(tmp_path):
   """`benchmarks.cluster_lm` keeps each `exdyna-jax demo --processes 4` run whole; the REPORT

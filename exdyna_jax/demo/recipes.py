@@ -26,8 +26,8 @@ class TrainConfig:
     steps: optimizer steps.
     density: fraction of gradient elements a sparsifier sends per step.
     batch_per_worker: examples per worker per step.
-    learning_rate: peak learning rate (AdamW: `TOPK_UNION` gets
-      `TOPK_UNION_RATE_SCALE` times it).
+    learning_rate: peak learning rate (AdamW: the per-step recipes,
+      `RATE_SCALED`, get `RECIPE_RATE_SCALE` times it).
     momentum: SGD momentum (applied after aggregation). Momentum on top of
       error feedback amplifies the stale residual bursts: at density 0.001
       on digits, 0.9 diverges (70 % accuracy after 500 steps) where plain
@@ -102,9 +102,13 @@ TOPK_UNION = "topk_union"
 ``n`` workers sends its own largest ``density / n`` of ``N`` (a steered threshold), so
 their union sends about ``density``."""
 
-TOPK_UNION_RATE_SCALE = 2.0
-"""Under AdamW, `TOPK_UNION` runs at this times the peak rate the others get, as
-docs/usage.md advises for the recipe ("Momentum and Adam with a sparsifier")."""
+RATE_SCALED = (TOPK_UNION, "chunked_topk")
+"""The AdamW recipes that run at `RECIPE_RATE_SCALE` times the rate when they exchange
+every step (`TOPK_UNION`; ``chunked_topk``, best with ``value_bits=2``)."""
+
+RECIPE_RATE_SCALE = 2.0
+"""Under AdamW, per step, `RATE_SCALED` run at this times the peak rate the others get,
+as docs/usage.md advises for the recipes ("Momentum and Adam with a sparsifier")."""
 
 
 def demo_methods() -> tuple[str, ...]:
@@ -155,15 +159,15 @@ def optimizer_for(method: str, config: TrainConfig,
   others. With ``config.sync_every > 1`` every method but ``dense`` runs
   local steps of the optimizer, the sparsifier exchanging pseudo-gradients.
   ``num_workers``: the workers `TOPK_UNION` shares the density among. Under
-  AdamW `TOPK_UNION`'s peak rate is `TOPK_UNION_RATE_SCALE` times
-  ``config.learning_rate``.
+  AdamW, per step, the peak rate of `RATE_SCALED` is `RECIPE_RATE_SCALE`
+  times ``config.learning_rate``.
   """
   sparsifier = sparsifier_for(method, config, num_workers)
   local = config.sync_every > 1 and method.lower() != "dense"
   if config.optimizer == "adamw":
     peak = config.learning_rate
-    if method.lower() == TOPK_UNION and not local:
-      peak *= TOPK_UNION_RATE_SCALE
+    if method.lower() in RATE_SCALED and not local:
+      peak *= RECIPE_RATE_SCALE
     learning_rate = optax.warmup_cosine_decay_schedule(
         0.0, peak, config.warmup_steps, max(config.steps, config.warmup_steps + 1), peak / 10)
     clip = optax.clip_by_global_norm(ADAMW_CLIP)
