@@ -98,9 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
   demo.add_argument(
       "--method", nargs="+", type=_method, default=None, metavar="NAME",
       help="method(s) compared with dense (always run): "
-      f"{', '.join(m for m in demo_methods() if m != 'dense')}; {TOPK_UNION} is the AdamW "
-      "recipe, topk(density / workers, exact=False): each worker its share of --density, "
-      f"their union about --density (default: exdyna; exdyna {TOPK_UNION} for the lm tasks)")
+      f"{', '.join(m for m in demo_methods() if m != 'dense')}; {TOPK_UNION} is the float32 "
+      "AdamW recipe, topk(density / workers, exact=False): each worker its share of "
+      "--density, their union about --density (chunked_topk --value-bits 2 at 6 times that "
+      f"share is the 2-bit one) (default: exdyna; exdyna {TOPK_UNION} for the lm tasks)")
   demo.add_argument("--density", type=_density, default=0.01,
                     help="fraction of gradient elements sent per step (default: 0.01)")
   demo.add_argument("--steps", type=_int_at_least(1), default=None,

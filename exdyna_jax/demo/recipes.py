@@ -98,7 +98,7 @@ def density_of(config: TrainConfig) -> float | dict[int, float]:
 
 
 TOPK_UNION = "topk_union"
-"""The demo's name for the AdamW recipe, ``topk(density / n, exact=False)``: each of the
+"""The demo's name for the float32 AdamW recipe, ``topk(density / n, exact=False)``: each of the
 ``n`` workers sends its own largest ``density / n`` of ``N`` (a steered threshold), so
 their union sends about ``density``."""
 
