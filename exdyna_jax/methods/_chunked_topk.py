@@ -289,23 +289,24 @@ def summed(accumulated: jax.Array, indices: jax.Array, values: jax.Array, axis_n
            ) -> tuple[_exchange.SparseUpdate, jax.Array]:
   """The update at every gathered index (worker-major, ``[M]``), and the count of distinct ones.
 
-  The ``M = n k'`` picks are sorted by index; each run of one index sums to
-  the workers' total there, over ``n`` (so duplicates carry the same
-  value). This worker keeps ``a`` less its own sent value there: all of
-  ``a`` where it sent nothing, the rounding of its value where it did.
-  Costs ``O(M log M)``, no ``[N]`` buffer.
+  Each of the ``M = n k'`` picks finds its index's first place among the
+  sorted indices, a slot its duplicates share; the values summed into
+  their slots give each index the workers' total there, over ``n`` (so
+  duplicates carry the same value). This worker keeps ``a`` less its own
+  sent value there: all of ``a`` where it sent nothing, the rounding of
+  its value where it did. One sort of the ``M`` indices alone and a
+  binary search: ``O(M log M)``, no ``[N]`` buffer.
   """
   num_workers = _collectives.axis_size(axis_name)
   row = jnp.arange(indices.shape[0], dtype=jnp.int32) // (indices.shape[0] // num_workers)
   own = jnp.where(row == jax.lax.axis_index(axis_name), values, 0.0)
-  order = jnp.argsort(indices, stable=True)
-  indices, values, own = indices[order], values[order], own[order]
-  first = jnp.concatenate([jnp.ones((1,), bool), indices[1:] != indices[:-1]])
-  run = jnp.cumsum(first, dtype=jnp.int32) - 1
+  ordered = jnp.sort(indices)
+  slot = jnp.searchsorted(ordered, indices).astype(jnp.int32)
 
-  def run_sum(x):
-    return jnp.zeros_like(x).at[run].add(x)[run]
+  def slot_sum(x):
+    return jnp.zeros_like(x).at[slot].add(x)[slot]
 
-  kept = accumulated.at[indices].get(mode="fill", fill_value=0) - run_sum(own)
-  transmitted = jnp.sum(first & (indices < accumulated.shape[0]), dtype=jnp.int32)
-  return _exchange.SparseUpdate(indices, run_sum(values) / num_workers, kept=kept), transmitted
+  kept = accumulated.at[indices].get(mode="fill", fill_value=0) - slot_sum(own)
+  first = jnp.concatenate([jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
+  transmitted = jnp.sum(first & (ordered < accumulated.shape[0]), dtype=jnp.int32)
+  return _exchange.SparseUpdate(indices, slot_sum(values) / num_workers, kept=kept), transmitted
