@@ -120,6 +120,7 @@ def test_a_per_step_variant_takes_its_values_after_the_density(values):
   bits = {"value_bits": int(values[0])} if values else {}
   assert bytes_sent(variant) == bytes_sent(exdyna_jax.chunked_topk(0.25, chunk=64, **bits))
 
+
 def test_the_cluster_section_reads_each_demo_run_against_its_own_dense(tmp_path):
   """`benchmarks.cluster_lm` keeps each `exdyna-jax demo --processes 4` run whole; the REPORT
   gives every method its link, its recipe and its time to its own run's dense loss."""
