@@ -5,12 +5,14 @@ does, once per link rate and recipe: each run trains dense for 200 steps,
 then every other method for dense's seconds (its schedule over the steps
 that fit them), and says when each first reached dense's final test loss.
 The recipes (`recipes`): the per-step AdamW recipes at 1 % (`topk_union`
-and ExDyna), and local steps of AdamW with every element in 2 bits on a
-quantized all-reduce every ``H`` steps (``--method chunked_topk --density 1
---value-bits 2 --wire all_reduce --sync-every H``).
+and ExDyna), the 2-bit one at its bytes (``--method chunked_topk
+--value-bits 2 --density 0.015``, ``6 d / n`` at n = 4), and local steps of
+AdamW with every element in 2 bits on a quantized all-reduce every ``H``
+steps (``--method chunked_topk --density 1 --value-bits 2 --wire
+all_reduce --sync-every H``).
 
 Run as root (network namespaces): ``python -m benchmarks.cluster_lm
-[--rates 100mbit 1gbit] [--sync-every 10 100] [--task lm-code]`` (about 25 minutes); writes
+[--rates 100mbit 1gbit] [--sync-every 10 100] [--task lm-code]`` (about 30 minutes); writes
 ``results/cluster_lm.json`` (``--out``), every run's curve included.
 """
 
@@ -26,6 +28,7 @@ from pathlib import Path
 from benchmarks import _common
 
 PER_STEP = ["--method", "topk_union", "exdyna"]
+PER_STEP_TWO_BIT = ["--method", "chunked_topk", "--value-bits", "2", "--density", "0.015"]
 TWO_BIT_ALL_REDUCE = ["--method", "chunked_topk", "--density", "1", "--value-bits", "2",
                       "--wire", "all_reduce"]
 
@@ -34,7 +37,8 @@ def recipes(sync_every: list[int]) -> dict[str, list[str]]:
   """``{label: demo arguments}``: the per-step recipes, then local steps at each ``H``."""
   local = {f"local steps, H = {h}": [*TWO_BIT_ALL_REDUCE, "--sync-every", str(h)]
            for h in sync_every}
-  return {"per step, d = 0.01": PER_STEP, **local}
+  return {"per step, d = 0.01": PER_STEP, "per step, 2 bits": PER_STEP_TWO_BIT,
+          **local}
 
 
 def demo_runs(task: str, rate: str, arguments: list[str], eval_every: int) -> dict:

@@ -21,7 +21,7 @@ cluster             the train step and time to accuracy over shaped links
                     when named, ``--only cluster,report``)
 cluster_lm          the language model's time to dense's test loss over
                     shaped links, per step and with local steps
-                    (``cluster_lm.py``; root, about 25 minutes: only run
+                    (``cluster_lm.py``; root, about 30 minutes: only run
                     when named); cluster_lm_code: the same on Python's source
 language_model      a byte-level transformer: test loss, bytes and time to
                     dense's loss per exchange (``language_model.py``; about
