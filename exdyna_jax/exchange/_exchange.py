@@ -343,7 +343,11 @@ def distinct_count(indices: jax.Array, num_elements: int) -> jax.Array:
   Returns:
     int32 scalar: the size of ``unique(indices)`` without the sentinel.
   """
-  ordered = jnp.sort(indices.reshape(-1))
+  return distinct_in_sorted(jnp.sort(indices.reshape(-1)), num_elements)
+
+
+def distinct_in_sorted(ordered: jax.Array, num_elements: int) -> jax.Array:
+  """`distinct_count` of int32 ``[M]`` indices already sorted ascending."""
   first = jnp.concatenate([jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
   return jnp.sum(first & (ordered < num_elements), dtype=jnp.int32)
 

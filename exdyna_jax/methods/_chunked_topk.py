@@ -307,6 +307,5 @@ def summed(accumulated: jax.Array, indices: jax.Array, values: jax.Array, axis_n
     return jnp.zeros_like(x).at[slot].add(x)[slot]
 
   kept = accumulated.at[indices].get(mode="fill", fill_value=0) - slot_sum(own)
-  first = jnp.concatenate([jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
-  transmitted = jnp.sum(first & (ordered < accumulated.shape[0]), dtype=jnp.int32)
-  return _exchange.SparseUpdate(indices, slot_sum(values) / num_workers, kept=kept), transmitted
+  return (_exchange.SparseUpdate(indices, slot_sum(values) / num_workers, kept=kept),
+          _exchange.distinct_in_sorted(ordered, accumulated.shape[0]))
