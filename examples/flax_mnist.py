@@ -6,11 +6,12 @@ CNN with BatchNorm and Dropout, ``nnx.Optimizer``, ``nnx.MultiMetric``,
 marked ``# data parallel`` are all that changed; everything else is the
 single-device script:
 
-- a mesh, and ``exdyna_jax.sparse_adamw(topk(density / 8, exact=False), lr)``
-  for ``optax.adamw(lr, momentum)`` (the library's AdamW recipe: each worker
-  sends its own largest ``density / 8`` of the coordinates, about
-  ``density`` in all; each worker's own second moment preconditions its
-  gradient and the sparsifier's residual carries the momentum);
+- a mesh, and ``exdyna_jax.sparse_adamw(chunked_topk(6 * density / 8,
+  value_bits=2), lr)`` for ``optax.adamw(lr, momentum)`` (the library's
+  AdamW recipe: each worker sends its own largest ``6 density / 8`` of every
+  4,096 coordinates in 2 bits, the bytes of about ``density`` in float32;
+  each worker's own second moment preconditions its gradient and the
+  sparsifier's residual carries the momentum);
 - ``exdyna_jax.nnx_optimizer(dp, model, wrt=nnx.Param)`` for
   ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` (its state is each worker's own);
 - ``@exdyna_jax.nnx_step(dp, reduce=...)`` for ``@nnx.jit`` on the training
@@ -23,7 +24,7 @@ on every worker. The data is scikit-learn's bundled 8x8 digits upsampled to
 28x28 (no download), so the CNN is MNIST's (824,650 parameters).
 
 Run: python examples/flax_mnist.py [--steps 300] [--density 0.01]
-(``--density``: about that share of the coordinates is sent a step.)
+(``--density``: the bytes of that share of the coordinates in float32.)
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
   mesh = jax.make_mesh((jax.device_count(),), ("data",),  # data parallel
                        axis_types=(jax.sharding.AxisType.Auto,))  # data parallel
   model = CNN(rngs=nnx.Rngs(0))
-  tx = exdyna_jax.sparse_adamw(  # data parallel: the residual is the momentum
-      exdyna_jax.topk(args.density / mesh.size, exact=False), args.learning_rate)  # data parallel
+  tx = exdyna_jax.sparse_adamw(exdyna_jax.chunked_topk(  # data parallel: residual = momentum
+      6 * args.density / mesh.size, value_bits=2), args.learning_rate)  # data parallel
   dp = exdyna_jax.data_parallel(tx, mesh)  # data parallel
   optimizer = exdyna_jax.nnx_optimizer(dp, model, wrt=nnx.Param)  # data parallel
   metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
@@ -114,7 +115,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
             f"test loss {history['test_loss']:.3f}  test accuracy {history['test_accuracy']:.2%}")
   totals = exdyna_jax.read_totals(dp.stats(optimizer.opt_state))  # data parallel
   history["sent_share"] = totals["transmitted"] / (totals["target"] * mesh.size)  # data parallel
-  print(f"{mesh.size} workers, sent {history['sent_share']:.3f} of the density")  # data parallel
+  print(f"{mesh.size} workers, sent/k {history['sent_share']:.3f}")  # data parallel: union / picks
   return history
 
 

@@ -5,11 +5,12 @@ The single-device linen training script (a CNN with BatchNorm and Dropout, a
 ``state.apply_gradients(...)``), ported to 8 workers. The lines marked
 ``# data parallel`` are all that changed:
 
-- a mesh, and ``exdyna_jax.sparse_adamw(topk(density / 8, exact=False), lr)``
-  for ``optax.adamw(lr, momentum)`` (the library's AdamW recipe: each worker
-  sends its own largest ``density / 8`` of the coordinates, about
-  ``density`` in all; each worker's own second moment preconditions its
-  gradient and the sparsifier's residual carries the momentum);
+- a mesh, and ``exdyna_jax.sparse_adamw(chunked_topk(6 * density / 8,
+  value_bits=2), lr)`` for ``optax.adamw(lr, momentum)`` (the library's
+  AdamW recipe: each worker sends its own largest ``6 density / 8`` of every
+  4,096 coordinates in 2 bits, the bytes of about ``density`` in float32;
+  each worker's own second moment preconditions its gradient and the
+  sparsifier's residual carries the momentum);
 - ``exdyna_jax.create_train_state(dp, TrainState, ...)`` for
   ``TrainState.create(..., tx=tx)`` (its ``opt_state`` is each worker's own);
 - ``@exdyna_jax.train_state_step(dp, reduce={"batch_stats": "mean"})`` for
@@ -22,7 +23,7 @@ the same on every worker. The data is scikit-learn's bundled digits
 upsampled to 28x28 (no download).
 
 Run: python examples/linen_mnist.py [--steps 300] [--density 0.01]
-(``--density``: about that share of the coordinates is sent a step.)
+(``--density``: the bytes of that share of the coordinates in float32.)
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
   model = CNN()
   train_ds, test_ds = _common.digit_images()
   variables = model.init(jax.random.key(0), train_ds["image"][:1], train=False)
-  tx = exdyna_jax.sparse_adamw(  # data parallel: the residual is the momentum
-      exdyna_jax.topk(args.density / mesh.size, exact=False), args.learning_rate)  # data parallel
+  tx = exdyna_jax.sparse_adamw(exdyna_jax.chunked_topk(  # data parallel: residual = momentum
+      6 * args.density / mesh.size, value_bits=2), args.learning_rate)  # data parallel
   dp = exdyna_jax.data_parallel(tx, mesh)  # data parallel
   state = exdyna_jax.create_train_state(  # data parallel
       dp, TrainState, apply_fn=model.apply, params=variables["params"],
@@ -115,7 +116,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
             f"test loss {history['test_loss']:.3f}  test accuracy {history['test_accuracy']:.2%}")
   totals = exdyna_jax.read_totals(dp.stats(state.opt_state))  # data parallel
   history["sent_share"] = totals["transmitted"] / (totals["target"] * mesh.size)  # data parallel
-  print(f"{mesh.size} workers, sent {history['sent_share']:.3f} of the density")  # data parallel
+  print(f"{mesh.size} workers, sent/k {history['sent_share']:.3f}")  # data parallel: union / picks
   return history
 
 

@@ -9,7 +9,7 @@ import sys
 import types
 from collections.abc import Callable, Sequence
 
-from exdyna_jax.demo.recipes import TOPK_UNION, demo_methods
+from exdyna_jax.demo.recipes import TOPK_UNION, TWO_BIT, demo_methods
 from exdyna_jax.demo.tasks import TASKS
 from exdyna_jax.launch import _shaped_links
 from exdyna_jax.methods._registry import registered_name
@@ -39,8 +39,8 @@ examples:
   exdyna-jax demo --processes 4 --link-rate 1gbit      4 processes behind 1 Gb/s links (root):
                                                        time to dense's accuracy
   exdyna-jax demo --task lm                            a byte-level transformer, AdamW:
-                                                       dense vs exdyna and topk_union,
-                                                       each as sparse_adamw
+                                                       dense vs exdyna and the 2-bit
+                                                       recipe, each as sparse_adamw
   exdyna-jax demo --task lm --sync-every 30 --density 0.05
                                                        local steps: 5 % of the pseudo-gradient
                                                        every 30 steps
@@ -73,8 +73,8 @@ def _density(text: str) -> float:
 
 
 def _method(text: str) -> str:
-  if text.lower().replace("-", "_") == TOPK_UNION:
-    return TOPK_UNION
+  if (name := text.lower().replace("-", "_")) in (TOPK_UNION, TWO_BIT):
+    return name
   try:
     return registered_name(text)  # case, "-" and "_" ignored, as get_sparsifier does
   except ValueError:
@@ -100,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="method(s) compared with dense (always run): "
       f"{', '.join(m for m in demo_methods() if m != 'dense')}; {TOPK_UNION} is the float32 "
       "AdamW recipe, topk(density / workers, exact=False): each worker its share of "
-      "--density, their union about --density (chunked_topk --value-bits 2 at 6 times that "
-      f"share is the 2-bit one) (default: exdyna; exdyna {TOPK_UNION} for the lm tasks)")
+      f"--density, their union about --density; {TWO_BIT} the 2-bit one, "
+      "chunked_topk(6 * density / workers, value_bits=2), about the same bytes "
+      f"(default: exdyna; exdyna {TWO_BIT} for the lm tasks)")
   demo.add_argument("--density", type=_density, default=0.01,
                     help="fraction of gradient elements sent per step (default: 0.01)")
   demo.add_argument("--steps", type=_int_at_least(1), default=None,
@@ -117,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "exdyna_jax.sparse_adamw) (default: sgd; adamw for the lm tasks)")
   demo.add_argument("--learning-rate", type=float, default=None,
                     help="learning rate, AdamW's peak (default: 0.3 for sgd; for adamw 3e-3, "
-                    f"6e-3 on the lm tasks; per step, {TOPK_UNION} and chunked_topk at twice "
-                    "it, as docs/usage.md advises)")
+                    f"6e-3 on the lm tasks; per step, {TOPK_UNION}, {TWO_BIT} and chunked_topk "
+                    "at twice it, as docs/usage.md advises)")
   demo.add_argument("--sync-every", type=_int_at_least(1), default=1, metavar="H",
                     help="local steps: every method but dense takes H steps alone and "
                     "exchanges the pseudo-gradient at --density (exdyna_jax.local_steps; "
@@ -245,10 +246,10 @@ def _demo_config(args: argparse.Namespace, *, task: str, steps: int, eval_every:
 
 
 def demo_methods_of(args: argparse.Namespace) -> list[str]:
-  """``--method``, or the task's default: ExDyna, and on the lm tasks the AdamW recipe too."""
+  """``--method``, or the task's default: ExDyna, and on the lm tasks the 2-bit AdamW recipe too."""
   if args.method is not None:
     return args.method
-  return ["exdyna", TOPK_UNION] if (args.task or "").startswith("lm") else ["exdyna"]
+  return ["exdyna", TWO_BIT] if (args.task or "").startswith("lm") else ["exdyna"]
 
 
 def _check_method_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -267,7 +267,7 @@ def test_local_steps_of_adamw_on_the_language_model_record_their_syncs():
   assert summary["density"] < 0.05 * 1.5 / 2  # a sync's density, every second step
 
 
-def test_topk_union_shares_the_density_among_the_workers_and_is_the_lm_tasks_default():
+def test_topk_union_shares_the_density_among_the_workers():
   """``topk_union`` (the AdamW recipe): each worker picks ``floor(d / n * N)`` by its steered
   threshold; sent/k is the union over the ``n`` workers' ``k``, so about 1 at most."""
   import jax
@@ -275,8 +275,6 @@ def test_topk_union_shares_the_density_among_the_workers_and_is_the_lm_tasks_def
   from exdyna_jax.demo import language_model, recipes, trainer
 
   parse = _cli.build_parser().parse_args
-  assert _cli.demo_methods_of(parse(["demo", "--task", "lm"])) == ["exdyna", "topk_union"]
-  assert _cli.demo_methods_of(parse(["demo"])) == ["exdyna"]
   assert parse(["demo", "--method", "TopK-Union"]).method == ["topk_union"]
   task = language_model.language_model_task(context=16, width=16, layers=1, heads=2,
                                             test_windows=8)
@@ -291,7 +289,30 @@ def test_topk_union_shares_the_density_among_the_workers_and_is_the_lm_tasks_def
   assert recipes.per_worker({0: 0.25, 10: 0.04}, 4) == {0: 0.0625, 10: 0.01}
 
 
-@pytest.mark.parametrize("method", ["topk_union", "chunked_topk"])
+def test_the_2bit_recipe_sends_six_shares_and_is_the_lm_tasks_default():
+  """``chunked_topk_2bit``: each worker its own ``6 d / n`` in 2 bits (at most every element);
+  the ``k`` asked is the workers' together."""
+  import jax
+
+  from exdyna_jax.demo import language_model, recipes, trainer
+
+  parse = _cli.build_parser().parse_args
+  assert _cli.demo_methods_of(parse(["demo", "--task", "lm"])) == ["exdyna", "chunked_topk_2bit"]
+  assert _cli.demo_methods_of(parse(["demo"])) == ["exdyna"]
+  assert parse(["demo", "--method", "Chunked-TopK-2bit"]).method == ["chunked_topk_2bit"]
+  assert recipes.per_worker(0.01, 4, shares=6) == pytest.approx(0.015)
+  assert recipes.per_worker({0: 0.5, 10: 0.01}, 2, shares=6) == {0: 1.0, 10: 0.03}
+  task = language_model.language_model_task(context=16, width=16, layers=1, heads=2,
+                                            test_windows=8)
+  config = recipes.TrainConfig(steps=3, density=0.04, batch_per_worker=2, learning_rate=3e-3,
+                               warmup_steps=1, eval_every=3, optimizer="adamw")
+  workers = jax.device_count()
+  run = trainer.train_method("chunked_topk_2bit", task, config, trainer.make_mesh(workers))
+  assert run.target == workers * int(6 * 0.04 / workers * run.num_elements)
+  assert all(0 < r["sent_over_k"] <= 1 for r in run.records), run.records
+
+
+@pytest.mark.parametrize("method", ["topk_union", "chunked_topk_2bit", "chunked_topk"])
 def test_under_adamw_the_per_step_recipes_run_at_twice_the_peak_rate(method):
   """docs/usage.md's advice: the AdamW recipes, per step, at twice dense's peak."""
   import jax
@@ -307,6 +328,8 @@ def test_under_adamw_the_per_step_recipes_run_at_twice_the_peak_rate(method):
   peak = 2 * config.learning_rate
   sparsifier = {
       "topk_union": exdyna_jax.topk(config.density / 8, exact=False, axis_name=recipes.AXIS),
+      "chunked_topk_2bit": exdyna_jax.chunked_topk(6 * config.density / 8, value_bits=2,
+                                                   axis_name=recipes.AXIS),
       "chunked_topk": exdyna_jax.chunked_topk(config.density, value_bits=2,
                                               axis_name=recipes.AXIS)}[method]
   recipe = optax.chain(optax.clip_by_global_norm(1.0), exdyna_jax.sparse_adamw(

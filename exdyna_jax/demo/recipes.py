@@ -102,9 +102,17 @@ TOPK_UNION = "topk_union"
 ``n`` workers sends its own largest ``density / n`` of ``N`` (a steered threshold), so
 their union sends about ``density``."""
 
-RATE_SCALED = (TOPK_UNION, "chunked_topk")
+TWO_BIT = "chunked_topk_2bit"
+"""The demo's name for the 2-bit AdamW recipe, ``chunked_topk(TWO_BIT_SHARE * density / n,
+value_bits=2)``: each worker sends six times its share of ``density`` in 2-bit values, about
+the bytes of `TOPK_UNION`'s float32 ones."""
+
+TWO_BIT_SHARE = 6
+"""How many shares of ``density`` each worker of `TWO_BIT` picks."""
+
+RATE_SCALED = (TOPK_UNION, TWO_BIT, "chunked_topk")
 """The AdamW recipes that run at `RECIPE_RATE_SCALE` times the rate when they exchange
-every step (`TOPK_UNION`; ``chunked_topk``, best with ``value_bits=2``)."""
+every step (`TOPK_UNION`, `TWO_BIT`; ``chunked_topk``, best with ``value_bits=2``)."""
 
 RECIPE_RATE_SCALE = 2.0
 """Under AdamW, per step, `RATE_SCALED` run at this times the peak rate the others get,
@@ -112,15 +120,16 @@ as docs/usage.md advises for the recipes ("Momentum and Adam with a sparsifier")
 
 
 def demo_methods() -> tuple[str, ...]:
-  """The names the demo trains: the registered methods and `TOPK_UNION`."""
-  return (*exdyna_jax.available_sparsifiers(), TOPK_UNION)
+  """The names the demo trains: the registered methods, `TOPK_UNION` and `TWO_BIT`."""
+  return (*exdyna_jax.available_sparsifiers(), TOPK_UNION, TWO_BIT)
 
 
-def per_worker(density: float | dict[int, float], num_workers: int) -> float | dict[int, float]:
-  """``density`` (a number or a schedule) shared among ``num_workers``."""
+def per_worker(density: float | dict[int, float], num_workers: int,
+               shares: int = 1) -> float | dict[int, float]:
+  """``shares`` times ``density`` (a number or a schedule) over ``num_workers``, at most 1."""
   if isinstance(density, dict):
-    return {step: level / num_workers for step, level in density.items()}
-  return density / num_workers
+    return {step: min(1.0, shares * level / num_workers) for step, level in density.items()}
+  return min(1.0, shares * density / num_workers)
 
 
 def sparsifier_for(method: str, config: TrainConfig,
@@ -129,7 +138,7 @@ def sparsifier_for(method: str, config: TrainConfig,
 
   ``dense`` takes no option; ``config.network`` goes to ExDyna only,
   ``config.value_bits`` and ``config.wire`` to ``chunked_topk`` only;
-  ``num_workers`` shares the density out for `TOPK_UNION`.
+  ``num_workers`` shares the density out for `TOPK_UNION` and `TWO_BIT`.
   """
   name, density = method.lower(), density_of(config)
   if name == "dense":
@@ -138,6 +147,9 @@ def sparsifier_for(method: str, config: TrainConfig,
   if name == TOPK_UNION:
     return exdyna_jax.topk(per_worker(density, num_workers), exact=False, axis_name=AXIS,
                            **options)
+  if name == TWO_BIT:
+    return exdyna_jax.chunked_topk(per_worker(density, num_workers, TWO_BIT_SHARE),
+                                   value_bits=2, axis_name=AXIS, **options)
   if name == "exdyna" and config.network is not None:
     options["network"] = exdyna_jax.Network(*map(float, config.network))
   if name == "chunked_topk":
@@ -158,7 +170,7 @@ def optimizer_for(method: str, config: TrainConfig,
   for ``dense``, ``chain(clip, sparse_adamw(sparsifier, ...))`` for the
   others. With ``config.sync_every > 1`` every method but ``dense`` runs
   local steps of the optimizer, the sparsifier exchanging pseudo-gradients.
-  ``num_workers``: the workers `TOPK_UNION` shares the density among. Under
+  ``num_workers``: the workers `TOPK_UNION` and `TWO_BIT` share the density among. Under
   AdamW, per step, the peak rate of `RATE_SCALED` is `RECIPE_RATE_SCALE`
   times ``config.learning_rate``.
   """
