@@ -83,7 +83,9 @@ def cluster_lm_section(rep, data: dict[str, Any] | None, table,
       "trains 200 steps, each other method as many seconds, its learning-rate schedule "
       "over the steps it timed to fit them; 'test loss' is at the end of those seconds, "
       "'s to dense's' when it first reached dense's final test loss (the mean of its last "
-      "three evaluations in its last tenth of steps), 'sooner' dense's time over it. "
+      "three evaluations in its last tenth of steps), 'sooner' dense's time over it; "
+      "'step ms' the median step (of local steps, one without a sync: with the syncs and "
+      "the four processes' contention for two cores their mean is about twice it). "
       "Density: indices sent / N at each evaluation; bytes: per worker, the run's mean "
       f"per step. Each run: `{command}` and the recipe's arguments ({commands}).\n\n"
       + table(header, [row for invocation in invocations for row in _rows(invocation)]))
