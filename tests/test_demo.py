@@ -246,18 +246,26 @@ def test_the_default_learning_rate_is_the_optimizers_own(task, optimizer, rate):
   assert (config.optimizer, config.learning_rate) == (optimizer, rate)
 
 
-def test_local_steps_of_adamw_on_the_language_model_record_their_syncs():
-  """The demo's trainer on a small `lm` model, ExDyna local steps of AdamW exchanging the
-  pseudo-gradient every 2 steps: local steps send nothing and carry no sent/k."""
+def _tiny_lm_run(method: str, **overrides):
+  """``method`` on a one-block byte-level LM under AdamW (density 0.04 and 5 steps unless
+  ``overrides`` say otherwise), every device a worker: the run and the worker count."""
   import jax
 
   from exdyna_jax.demo import language_model, recipes, trainer
 
   task = language_model.language_model_task(context=16, width=16, layers=1, heads=2,
                                             test_windows=8)
-  config = recipes.TrainConfig(steps=6, density=0.05, batch_per_worker=2, learning_rate=3e-3,
-                               warmup_steps=2, eval_every=3, optimizer="adamw", sync_every=2)
-  run = trainer.train_method("exdyna", task, config, trainer.make_mesh(jax.device_count()))
+  config = recipes.TrainConfig(**{
+      "steps": 5, "density": 0.04, "batch_per_worker": 2, "learning_rate": 3e-3,
+      "warmup_steps": 2, "eval_every": 5, "optimizer": "adamw", **overrides})
+  workers = jax.device_count()
+  return trainer.train_method(method, task, config, trainer.make_mesh(workers)), workers
+
+
+def test_local_steps_of_adamw_on_the_language_model_record_their_syncs():
+  """The demo's trainer on a small `lm` model, ExDyna local steps of AdamW exchanging the
+  pseudo-gradient every 2 steps: local steps send nothing and carry no sent/k."""
+  run, _ = _tiny_lm_run("exdyna", steps=6, density=0.05, eval_every=3, sync_every=2)
   assert [r["sent_over_k"] is not None for r in run.records] == [False, True] * 3
   assert [r["bytes_sent"] > 0 for r in run.records] == [False, True] * 3
   assert all(r["overflow"] == 0 for r in run.records[::2])
@@ -270,18 +278,11 @@ def test_local_steps_of_adamw_on_the_language_model_record_their_syncs():
 def test_topk_union_shares_the_density_among_the_workers():
   """``topk_union`` (the AdamW recipe): each worker picks ``floor(d / n * N)`` by its steered
   threshold; sent/k is the union over the ``n`` workers' ``k``, so about 1 at most."""
-  import jax
-
-  from exdyna_jax.demo import language_model, recipes, trainer
+  from exdyna_jax.demo import recipes
 
   parse = _cli.build_parser().parse_args
   assert parse(["demo", "--method", "TopK-Union"]).method == ["topk_union"]
-  task = language_model.language_model_task(context=16, width=16, layers=1, heads=2,
-                                            test_windows=8)
-  config = recipes.TrainConfig(steps=5, density=0.04, batch_per_worker=2, learning_rate=3e-3,
-                               warmup_steps=2, eval_every=5, optimizer="adamw")
-  workers = jax.device_count()
-  run = trainer.train_method("topk_union", task, config, trainer.make_mesh(workers))
+  run, workers = _tiny_lm_run("topk_union")
   k = int(0.04 / workers * run.num_elements)
   assert run.target == workers * k
   # The thresholds start low and reach their counts within two steps.
@@ -292,9 +293,7 @@ def test_topk_union_shares_the_density_among_the_workers():
 def test_the_2bit_recipe_sends_six_shares_and_is_the_lm_tasks_default():
   """``chunked_topk_2bit``: each worker its own ``6 d / n`` in 2 bits (at most every element);
   the ``k`` asked is the workers' together."""
-  import jax
-
-  from exdyna_jax.demo import language_model, recipes, trainer
+  from exdyna_jax.demo import recipes
 
   parse = _cli.build_parser().parse_args
   assert _cli.demo_methods_of(parse(["demo", "--task", "lm"])) == ["exdyna", "chunked_topk_2bit"]
@@ -302,12 +301,7 @@ def test_the_2bit_recipe_sends_six_shares_and_is_the_lm_tasks_default():
   assert parse(["demo", "--method", "Chunked-TopK-2bit"]).method == ["chunked_topk_2bit"]
   assert recipes.per_worker(0.01, 4, shares=6) == pytest.approx(0.015)
   assert recipes.per_worker({0: 0.5, 10: 0.01}, 2, shares=6) == {0: 1.0, 10: 0.03}
-  task = language_model.language_model_task(context=16, width=16, layers=1, heads=2,
-                                            test_windows=8)
-  config = recipes.TrainConfig(steps=3, density=0.04, batch_per_worker=2, learning_rate=3e-3,
-                               warmup_steps=1, eval_every=3, optimizer="adamw")
-  workers = jax.device_count()
-  run = trainer.train_method("chunked_topk_2bit", task, config, trainer.make_mesh(workers))
+  run, workers = _tiny_lm_run("chunked_topk_2bit", steps=3, eval_every=3)
   assert run.target == workers * int(6 * 0.04 / workers * run.num_elements)
   assert all(0 < r["sent_over_k"] <= 1 for r in run.records), run.records
 
