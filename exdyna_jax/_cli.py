@@ -9,7 +9,7 @@ import sys
 import types
 from collections.abc import Callable, Sequence
 
-from exdyna_jax.demo.recipes import TOPK_UNION, TWO_BIT, demo_methods
+from exdyna_jax.demo.recipes import SHARED_DENSITY, TOPK_UNION, TWO_BIT, demo_methods
 from exdyna_jax.demo.tasks import TASKS
 from exdyna_jax.launch import _shaped_links
 from exdyna_jax.methods._registry import registered_name
@@ -73,7 +73,7 @@ def _density(text: str) -> float:
 
 
 def _method(text: str) -> str:
-  if (name := text.lower().replace("-", "_")) in (TOPK_UNION, TWO_BIT):
+  if (name := text.lower().replace("-", "_")) in SHARED_DENSITY:
     return name
   try:
     return registered_name(text)  # case, "-" and "_" ignored, as get_sparsifier does

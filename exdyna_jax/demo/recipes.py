@@ -110,7 +110,11 @@ the bytes of `TOPK_UNION`'s float32 ones."""
 TWO_BIT_SHARE = 6
 """How many shares of ``density`` each worker of `TWO_BIT` picks."""
 
-RATE_SCALED = (TOPK_UNION, TWO_BIT, "chunked_topk")
+SHARED_DENSITY = (TOPK_UNION, TWO_BIT)
+"""The demo's own names, not registered methods: the recipes whose ``density`` the workers
+share out (`per_worker`), so the ``k`` a step asks is their workers' together."""
+
+RATE_SCALED = (*SHARED_DENSITY, "chunked_topk")
 """The AdamW recipes that run at `RECIPE_RATE_SCALE` times the rate when they exchange
 every step (`TOPK_UNION`, `TWO_BIT`; ``chunked_topk``, best with ``value_bits=2``)."""
 
@@ -121,7 +125,7 @@ as docs/usage.md advises for the recipes ("Momentum and Adam with a sparsifier")
 
 def demo_methods() -> tuple[str, ...]:
   """The names the demo trains: the registered methods, `TOPK_UNION` and `TWO_BIT`."""
-  return (*exdyna_jax.available_sparsifiers(), TOPK_UNION, TWO_BIT)
+  return (*exdyna_jax.available_sparsifiers(), *SHARED_DENSITY)
 
 
 def per_worker(density: float | dict[int, float], num_workers: int,

@@ -24,7 +24,7 @@ import optax
 
 import exdyna_jax
 from exdyna_jax import hlo
-from exdyna_jax.demo.recipes import AXIS, TOPK_UNION, TWO_BIT, TrainConfig, optimizer_for
+from exdyna_jax.demo.recipes import AXIS, SHARED_DENSITY, TrainConfig, optimizer_for
 
 
 class Task(NamedTuple):
@@ -139,9 +139,9 @@ class MethodRun:
 
 
 def asked_count(method: str, stats: Any, num_workers: int) -> int:
-  """The ``k`` a step asked of all the workers together: `TOPK_UNION`'s and `TWO_BIT`'s is
-  their workers'."""
-  return int(stats.target) * (num_workers if method.lower() in (TOPK_UNION, TWO_BIT) else 1)
+  """The ``k`` a step asked of all the workers together: `SHARED_DENSITY`'s is their
+  workers'."""
+  return int(stats.target) * (num_workers if method.lower() in SHARED_DENSITY else 1)
 
 
 def _record(step, seconds, losses, stats, target, num_elements, exchanged) -> dict[str, Any]:
