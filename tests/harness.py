@@ -83,6 +83,16 @@ def run_shard_map(tx: optax.GradientTransformation, params, grads, *, check_vma:
   return jax.jit(fn)(grads)
 
 
+def equations(jaxpr):
+  """Every equation of ``jaxpr`` (a ``make_jaxpr(...).jaxpr``) and of the programs in it."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for inner in param if isinstance(param, tuple) else (param,):
+        if hasattr(inner, "eqns") or hasattr(inner, "jaxpr"):
+          yield from equations(getattr(inner, "jaxpr", inner))
+
+
 def to_numpy(tree):
   return jax.tree.map(np.asarray, tree)
 

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax import P
 
 import exdyna_jax
-from exdyna_jax.exchange import _exchange
 from tests import harness
 
 N, NUM_WORKERS, STEPS = 2048, 4, 8
@@ -60,15 +60,6 @@ def level_at(step):
 
 @pytest.mark.parametrize("name", SCHEDULED)
 def test_each_step_is_its_level(name):
-  check_each_step_is_its_level(name)
-
-
-@pytest.mark.parametrize("name", ["exdyna", "spardl"])  # SparDL keeps values of its own
-def test_each_step_is_its_level_when_updates_are_written_chunk_by_chunk(name, monkeypatch):
-  """Each level's update is padded to the largest level's slots and written
-  chunk by chunk over its own slots only; chunks of 16 slots make every
-  level's writes loop (its last chunk overlapping the one before)."""
-  monkeypatch.setattr(_exchange, "LIVE_CHUNK", 16)
   check_each_step_is_its_level(name)
 
 
@@ -189,6 +180,40 @@ def test_real_devices_run_the_same_schedule(runner):
   updates = np.asarray(runner(tx, jnp.zeros(N), grads)[0])
   np.testing.assert_allclose(updates[0], expected, rtol=1e-6, atol=1e-7)
   np.testing.assert_array_equal(updates, np.broadcast_to(updates[:1], updates.shape))
+
+
+@pytest.mark.parametrize("name", SCHEDULED)
+def test_a_state_kept_between_calls_runs_the_schedule_under_varying_types(name):
+  """The state leaves one jitted ``shard_map(check_vma=True)`` step and enters the next
+  sharded (every field varying): a dense level's fields and a sparse level's agree."""
+  tx, grads = make(name, SCHEDULE), gradients(4)
+  expected, _, _ = run(tx, grads)
+  mesh, params = harness.mesh_of(NUM_WORKERS), jnp.zeros(N)
+
+  def per_device(fn):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(harness.AXIS),
+                                 out_specs=P(harness.AXIS), check_vma=True))
+
+  state = per_device(lambda _: jax.tree.map(lambda x: x[None], tx.init(params)))(
+      jnp.zeros(NUM_WORKERS))
+  step = per_device(lambda g, state: jax.tree.map(lambda x: x[None], tx.update(
+      g[0], jax.tree.map(lambda x: x[0], state), params)))
+  for t in range(STEPS):
+    update, state = step(grads[:, t], state)
+    np.testing.assert_allclose(np.asarray(update), np.broadcast_to(expected[t], update.shape),
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_under_vmap_a_step_runs_only_its_level():
+  """The step count is batched under ``vmap``; the schedule still picks one branch (a
+  batched ``lax.switch`` index would become selects running every level's step)."""
+  tx, params = make("topk", SCHEDULE), jnp.zeros(N)
+  step = jax.vmap(lambda g, state: tx.update(g, state, params), axis_name=harness.AXIS)
+  states = jax.vmap(lambda _: tx.init(params), axis_name=harness.AXIS)(jnp.arange(NUM_WORKERS))
+  program = jax.make_jaxpr(step)(gradients()[:, 0], states)
+  level_switches = [eqn for eqn in harness.equations(program.jaxpr)
+                    if eqn.primitive.name == "cond" and len(eqn.params["branches"]) == 3]
+  assert len(level_switches) == 1
 
 
 @pytest.mark.parametrize("name", SCHEDULED)

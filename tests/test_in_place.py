@@ -1,8 +1,9 @@
-"""The residual is updated in place: a donated training step copies no N-vector.
+"""The residual is updated in place: a donated training step copies no N-vector
+(but through a density schedule's switch).
 
 The error-feedback shell forms ``a = g + m`` in the residual's own buffer and
-clears the transmitted indices with a scatter after the step's ``lax.cond``
-(which returns only the sparse pairs), so when the caller donates the state,
+clears the transmitted indices with a scatter after the step (whose result
+is only the sparse pairs), so when the caller donates the state,
 XLA needs no copy of the residual. This holds for the library's calling
 conventions, where each device's residual buffer is ``[1, N]``: ``jax.pmap``,
 and ``jax.shard_map`` with a leading worker axis on the state (as
@@ -100,11 +101,15 @@ def test_donated_step_copies_no_residual(name, compile_step):
 
 
 @pytest.mark.parametrize("compile_step", [compiled_pmap_step, compiled_decorated_step])
-def test_donated_step_with_a_density_schedule_copies_no_residual(compile_step):
-  """A dense level and two sparse ones, one switch: the residual is still never copied."""
+def test_donated_step_with_a_density_schedule_copies_the_residual_through_its_switch(
+    compile_step):
+  """A dense level and two sparse ones, one switch: each level writes its own update and
+  residual inside its branch (its own slots, not the largest level's), and XLA copies the
+  residual in and out of the conditional, at most three ``N``-vectors, where a fixed
+  density copies none."""
   hlo = compile_step("exdyna", {0: 1.0, 10: 0.05, 20: 0.01})
   assert f"f32[{NUM_ELEMENTS}]" in hlo or f"f32[1,{NUM_ELEMENTS}]" in hlo
-  assert n_vector_copies(hlo) == []
+  assert 0 < len(n_vector_copies(hlo)) <= 3
 
 
 @pytest.mark.parametrize("name", ["exdyna", "micro", "topk", "cltk"])

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import exdyna_jax
-from tests.harness import AXIS, mesh_of, unflatten_like
+from tests.harness import AXIS, equations, mesh_of, unflatten_like
 from tests.models import local_steps_model
 
 NUM_WORKERS, NUM_STEPS, SYNC_EVERY = 4, 11, 3  # ends two steps into a round
@@ -127,6 +127,21 @@ def test_data_parallel_steps_keep_each_workers_parameters_and_return_the_synced_
     if t > 0:
       np.testing.assert_allclose(first, np.asarray(states.local["b"][:, t - 1, 0]), rtol=1e-6)
   assert not np.allclose(steps[-1][1][0], steps[-1][1][1])  # two steps into a round
+
+
+def test_under_vmap_the_compressor_runs_only_at_a_sync():
+  """The step count is batched under ``vmap``; the sync stays one conditional (a batched
+  predicate would turn it into selects running the compressor every step)."""
+  tx = exdyna_jax.local_steps(optax.sgd(0.1), sync_every=SYNC_EVERY,
+                              compressor=exdyna_jax.topk(0.1))
+  states = jax.vmap(lambda _: tx.init(PARAMS), axis_name=AXIS)(jnp.arange(NUM_WORKERS))
+  grads = unflatten_like(gradients()[:, 0], PARAMS)
+  params = jax.tree.map(lambda x: jnp.broadcast_to(x, (NUM_WORKERS, *x.shape)), PARAMS)
+  program = jax.make_jaxpr(jax.vmap(tx.update, axis_name=AXIS))(grads, states, params)
+  syncs = [eqn for eqn in equations(program.jaxpr) if eqn.primitive.name == "cond"
+           and any(inner.primitive.name == "top_k"  # the compressor's selection
+                   for branch in eqn.params["branches"] for inner in equations(branch.jaxpr))]
+  assert len(syncs) == 1
 
 
 def test_what_it_refuses():

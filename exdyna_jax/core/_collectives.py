@@ -84,16 +84,32 @@ def axis_size(axis_name: str, *, unbound_message: str | None = None) -> int:
     ) from None
 
 
-def _is_manual(axis_name: str) -> bool:
+def is_manual(axis_name: str) -> bool:
   """True under shard_map or pmap, where collectives can return invariant values."""
   return axis_name in jax.sharding.get_abstract_mesh().manual_axes
 
 
-def _tracks_varying(axis_name: str) -> bool:
+def tracks_varying(axis_name: str) -> bool:
   """True under ``shard_map(check_vma=True)``, whose types say what varies."""
-  if not _is_manual(axis_name):
+  if not is_manual(axis_name):
     return False
-  return axis_name in jax.typeof(jax.lax.axis_index(axis_name)).manual_axis_type.varying
+  return is_varying(jax.lax.axis_index(axis_name), axis_name)
+
+
+def is_varying(x: jax.Array, axis_name: str) -> bool:
+  """Whether ``x``'s type says it varies over ``axis_name`` (``shard_map(check_vma=True)``)."""
+  return axis_name in jax.typeof(x).manual_axis_type.varying
+
+
+def unbatched(x: jax.Array, axis_name: str) -> jax.Array:
+  """``x``, equal on every worker, as one value under ``vmap`` (where it may be batched).
+
+  A ``lax.cond`` or ``lax.switch`` on a batched index becomes selects that
+  run every branch. Under ``vmap`` a ``pmax`` over the workers is a local
+  reduction whose result is not batched; under ``shard_map`` and ``pmap``
+  (a real collective there) ``x`` is one value per device already.
+  """
+  return x if is_manual(axis_name) else jax.lax.pmax(x, axis_name)
 
 
 def check_local(grads, axis_name: str) -> None:
@@ -104,10 +120,10 @@ def check_local(grads, axis_name: str) -> None:
   axis: sparsifying it would compress summed gradients after the dense traffic
   was paid. The varying-axes type tells them apart.
   """
-  if not _tracks_varying(axis_name):
+  if not tracks_varying(axis_name):
     return
   for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    if axis_name not in jax.typeof(leaf).manual_axis_type.varying:
+    if not is_varying(leaf, axis_name):
       raise ValueError(
           f"Gradient leaf {jax.tree_util.keystr(path)} is invariant over {axis_name!r}: "
           "it was already summed across workers (jax.grad of replicated params "
@@ -124,7 +140,7 @@ def per_worker(x: jax.Array, axis_name: str) -> jax.Array:
   the first step; inside ``jax.shard_map(check_vma=True)`` a ``lax.scan`` or
   ``fori_loop`` over steps needs the carry's type to stay the same.
   """
-  if not _tracks_varying(axis_name):
+  if not tracks_varying(axis_name) or is_varying(x, axis_name):
     return x
   return jax.lax.pcast(x, axis_name, to="varying")
 
@@ -136,7 +152,7 @@ def all_gather(x: jax.Array, axis_name: str) -> jax.Array:
   what is computed from it can leave through ``out_specs=P()``;
   ``vmap(axis_name=...)`` has no invariant all-gather and gets the plain one.
   """
-  if _is_manual(axis_name):
+  if is_manual(axis_name):
     return jax.lax.all_gather(x, axis_name, to="invarying")
   return jax.lax.all_gather(x, axis_name)
 

@@ -27,9 +27,6 @@ import jax.numpy as jnp
 from exdyna_jax.core import _collectives, _layout
 from exdyna_jax.exchange import _spill
 
-# Slots a `SparseUpdate` with ``live`` slots writes per iteration.
-LIVE_CHUNK = 1 << 14
-
 
 class SparseUpdate(NamedTuple):
   """The aggregated update of one step, as index-value pairs.
@@ -39,10 +36,10 @@ class SparseUpdate(NamedTuple):
   ``kept`` (zero by default) at ``indices`` into the accumulated gradient
   (the new residual). Both writes are scatters of ``M`` elements, so the
   residual can stay in its own buffer: the error-feedback shell applies them
-  after the guard's ``lax.switch``, which then returns only these ``M`` pairs
-  and no ``N``-sized array of the state (an ``N``-sized result of a ``cond``
-  would be copied into the donated state buffer; the mean of a schedule's
-  dense level, ``base``, is a new buffer).
+  after the guard's selects, which touch only these ``M`` pairs. (A density
+  schedule applies each level's inside that level's branch of a
+  ``lax.switch``, so that every level keeps its own ``M``; the branch's
+  ``N``-sized results cost XLA a copy or two of ``N`` a step.)
 
   Attributes:
     indices: int32 ``[M]`` indices; the sentinel ``N`` (and anything else
@@ -53,13 +50,10 @@ class SparseUpdate(NamedTuple):
       coordinate leaves every residual). SparDL keeps what the worker itself
       dropped there on the way.
     base: float32 ``[N]`` the dense update the values are written into
-      instead of zeros, or None (only a density schedule with a dense level
-      has one: the mean at a dense step, zeros otherwise).
-    sent_all: bool, True where every coordinate was sent (a dense step of a
-      schedule): the residual is cleared everywhere. None: never.
-    live: int32, how many leading slots may hold an index (the rest hold
-      the sentinel), or None: all ``M``. A schedule pads each level's update
-      to its largest level's slots; the writes read only the live ones.
+      instead of zeros, or None (only a density schedule's dense level has
+      one: the mean, or zeros on a skipped step).
+    sent_all: bool, True where every coordinate was sent (a dense level of
+      a schedule): the residual is cleared everywhere. None: never.
   """
 
   indices: jax.Array
@@ -67,7 +61,6 @@ class SparseUpdate(NamedTuple):
   kept: jax.Array | None = None
   base: jax.Array | None = None
   sent_all: jax.Array | None = None
-  live: jax.Array | None = None
 
   @classmethod
   def nothing(cls, like: SparseUpdate, num_elements: int, axis_name: str) -> SparseUpdate:
@@ -84,8 +77,6 @@ class SparseUpdate(NamedTuple):
       nothing = nothing._replace(
           base=jnp.zeros(like.base.shape, like.base.dtype), sent_all=jnp.bool_(False)
       )
-    if like.live is not None:
-      nothing = nothing._replace(live=jnp.int32(0))
     return nothing
 
   def dense(self, num_elements: int) -> jax.Array:
@@ -113,26 +104,8 @@ class SparseUpdate(NamedTuple):
     return cleared if self.sent_all is None else jnp.where(self.sent_all, 0.0, cleared)
 
   def write(self, target: jax.Array, updates: jax.Array | float) -> jax.Array:
-    """``target`` (``[..., N]``) with ``updates`` (``[M]`` or a scalar) set at ``indices``.
-
-    With ``live``, a loop over chunks of `LIVE_CHUNK` slots reads only the
-    live ones (the last chunk shifts left and sets its overlap twice, to the
-    same values), so a schedule's current level costs its own slots, not its
-    largest level's.
-    """
-    slots = self.indices.shape[0]
-    if self.live is None or slots <= LIVE_CHUNK:
-      return target.at[..., self.indices].set(updates, mode="drop")
-
-    def write_chunk(chunk, target):
-      start = jnp.minimum(chunk * LIVE_CHUNK, slots - LIVE_CHUNK)
-      indices = jax.lax.dynamic_slice_in_dim(self.indices, start, LIVE_CHUNK)
-      if jnp.ndim(updates):
-        return target.at[..., indices].set(
-            jax.lax.dynamic_slice_in_dim(updates, start, LIVE_CHUNK), mode="drop")
-      return target.at[..., indices].set(updates, mode="drop")
-
-    return jax.lax.fori_loop(0, -(-self.live // LIVE_CHUNK), write_chunk, target)
+    """``target`` (``[..., N]``) with ``updates`` (``[M]`` or a scalar) set at ``indices``."""
+    return target.at[..., self.indices].set(updates, mode="drop")
 
 
 class Exchanged(NamedTuple):

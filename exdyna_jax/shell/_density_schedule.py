@@ -2,8 +2,9 @@
 
 A sparsifier's ``density`` fixes the sizes of its buffers, so it cannot be
 traced. A schedule lists the levels up front; the step compiles one branch
-per level (its own static buffers) and a ``lax.switch`` on the completed
-step count picks the current one, so the bytes sent each step are those of
+per level (its own static buffers, its own writes of the update and the
+residual) and a ``lax.switch`` on the completed step count picks the
+current one, so the bytes sent and the work done each step are those of
 the current level, not the largest. A level of ``1.0`` is an exact dense
 all-reduce of the accumulated gradient (residual and gradient both sent,
 the residual cleared; as with `exdyna_jax.dense`, what rounding the mean to
@@ -130,91 +131,106 @@ def dgc_warmup(
   return schedule
 
 
+class LevelSteps(NamedTuple):
+  """A density schedule's steps: ``steps[i]`` from step ``first_steps[i]`` on.
+
+  The shell runs the current level's step and writes its update inside one
+  branch of a ``lax.switch`` (`by_level`), so each level's `SparseUpdate`
+  keeps its own slots and a step costs its own level's writes only.
+  """
+
+  first_steps: tuple[int, ...]
+  steps: tuple[StepFn, ...]
+
+
 def scheduled_step(
     levels: tuple[Level, ...], step_for: Callable[[float], StepFn], axis_name: str
-) -> StepFn:
-  """One step over all levels: each level's branch, chosen by the completed step count.
+) -> StepFn | LevelSteps:
+  """The step of each level: ``step_for(density)``, or `dense_step` at a density of 1.
 
   Args:
-    levels: from `density_levels`; a single level gives ``step_for`` of it.
+    levels: from `density_levels`.
     step_for: ``density -> step`` of the method at that density.
     axis_name: the data-parallel axis (for a dense level's ``psum``).
 
   Returns:
-    The step. Its `SparseUpdate` has as many slots as the largest level's;
-    where a level is dense it carries the mean in ``base`` and
-    ``sent_all=True``.
+    The one level's step, or the `LevelSteps` of several.
   """
-  if len(levels) == 1 and levels[0].density < 1.0:
-    return step_for(levels[0].density)
-  steps = [None if level.density == 1.0 else step_for(level.density) for level in levels]
-  first_steps = [level.first_step for level in levels]
-  has_dense = None in steps
+  steps = tuple(dense_step(axis_name) if level.density == 1.0 else step_for(level.density)
+                for level in levels)
+  if len(steps) == 1:
+    return steps[0]
+  return LevelSteps(tuple(level.first_step for level in levels), steps)
+
+
+def dense_step(axis_name: str) -> StepFn:
+  """A level of 1.0: the mean of the accumulated gradients, one ``psum`` (no slots).
+
+  Its `SparseUpdate` has no indices: the mean is its ``base`` and
+  ``sent_all`` clears the whole residual.
+  """
 
   def step(accumulated, state, num_workers):
     num_elements = accumulated.shape[0]
-    recorded = [  # each level's step traced once, replayed in its branch (`replay`)
-        None if s is None else jax.make_jaxpr(
-            lambda s=s: s(accumulated, state, num_workers), return_shape=True)()
-        for s in steps
-    ]
-    shapes = [record[1][0] for record in recorded if record] or [
-        _exchange.SparseUpdate(jax.ShapeDtypeStruct((1,), jnp.int32),  # density 1.0 only
-                               jax.ShapeDtypeStruct((1,), accumulated.dtype))]
-    slots = max(shape.indices.shape[0] for shape in shapes)
-
-    def padded(sparse):
-      live = sparse.indices.shape[0]
-      pad = slots - live
-      sparse = _exchange.SparseUpdate(
-          jnp.pad(sparse.indices, (0, pad), constant_values=num_elements),
-          jnp.pad(sparse.values, (0, pad)),
-          None if sparse.kept is None else jnp.pad(sparse.kept, (0, pad)),
-          live=jnp.int32(live),
-      )
-      if has_dense:
-        sparse = sparse._replace(
-            base=jnp.zeros((num_elements,), sparse.values.dtype), sent_all=jnp.bool_(False)
-        )
-      return sparse
-
-    def sparse_branch(record):
-      def run():
-        sparse, new_state = replay(*record)()
-        return padded(sparse), new_state._replace(residual=None)
-
-      return run
-
-    def dense_branch():
-      mean = jax.lax.psum(accumulated, axis_name) / num_workers
-      count = jnp.int32(num_elements)
-      stats = state.stats._replace(
-          selected=count,
-          transmitted=count,
-          target=count,
-          overflow=jnp.zeros((), jnp.int32),
-          **_stats.bytes_fields(state.stats, _collectives.ring_all_reduce_bytes(
-              num_workers, num_elements * _collectives.VALUE_BYTES)),
-      )
-      nothing = _exchange.SparseUpdate.nothing(shapes[0], num_elements, axis_name)
-      nothing = padded(nothing)._replace(base=mean, sent_all=jnp.bool_(True), live=jnp.int32(0))
-      return nothing, state._replace(residual=None, stats=stats)
-
-    branches = [sparse_branch(record) if record else dense_branch for record in recorded]
-    level = jnp.sum(state.stats.step >= jnp.asarray(first_steps, jnp.int32)) - 1
-    sparse, new_state = jax.lax.switch(level, branches)
-    return sparse, new_state._replace(residual=state.residual)
+    mean = jax.lax.psum(accumulated, axis_name) / num_workers
+    count = jnp.int32(num_elements)
+    stats = state.stats._replace(
+        selected=count,
+        transmitted=count,
+        target=count,
+        overflow=jnp.zeros((), jnp.int32),
+        **_stats.bytes_fields(state.stats, _collectives.ring_all_reduce_bytes(
+            num_workers, num_elements * _collectives.VALUE_BYTES)),
+    )
+    no_slots = _exchange.SparseUpdate(jnp.zeros((0,), jnp.int32), jnp.zeros((0,), mean.dtype))
+    return no_slots._replace(base=mean, sent_all=jnp.bool_(True)), state._replace(stats=stats)
 
   return step
 
 
-def replay(program: Any, shapes: Any) -> Callable[[], Any]:
-  """``fn``'s output again, from ``jax.make_jaxpr(fn, return_shape=True)()``'s pair.
+def by_level(
+    first_steps: tuple[int, ...], step: jax.Array, branches: list[Callable[[], Any]],
+    axis_name: str,
+) -> Any:
+  """The output of ``branches[i]`` for the level ``i`` that ``step`` is in (one ``lax.switch``).
 
-  A branch of a ``lax.switch`` whose output shapes another branch needs
-  first: recording ``fn`` once and replaying its program runs none of the
-  method's Python a second time (an ``eval_shape`` and the branch would
-  trace it twice).
+  Under ``vmap`` the step count is batched (one per worker, all equal) and
+  a batched index would turn the switch into selects that run every
+  branch; `_collectives.unbatched` makes it one value again. Under
+  ``shard_map(check_vma=True)`` every output is typed varying where any
+  branch's is.
   """
+  level = jnp.sum(step >= jnp.asarray(first_steps, jnp.int32)) - 1
+  return jax.lax.switch(_collectives.unbatched(level, axis_name),
+                        typed_alike(branches, axis_name))
+
+
+def typed_alike(branches: list[Callable[[], Any]], axis_name: str) -> list[Callable[[], Any]]:
+  """``branches`` whose outputs are varying over ``axis_name`` where any branch's is.
+
+  A level that keeps a state field as it came in (varying) and one that
+  computes it from a ``psum`` (invariant) would give ``lax.switch`` two
+  types. Each branch is traced once (`replay`).
+  """
+  if not _collectives.tracks_varying(axis_name):
+    return branches
+  recorded = [jax.make_jaxpr(branch, return_shape=True)() for branch in branches]
+  varying = [any(axis_name in leaf.manual_axis_type.varying for leaf in leaves)
+             for leaves in zip(*(jax.tree.leaves(shapes) for _, shapes in recorded), strict=True)]
+
+  def cast(record):
+    def run():
+      leaves, tree = jax.tree.flatten(replay(*record)())
+      return tree.unflatten([_collectives.per_worker(leaf, axis_name) if vary else leaf
+                             for leaf, vary in zip(leaves, varying, strict=True)])
+
+    return run
+
+  return [cast(record) for record in recorded]
+
+
+def replay(program: Any, shapes: Any) -> Callable[[], Any]:
+  """``fn``'s output again, from ``jax.make_jaxpr(fn, return_shape=True)()``'s pair,
+  without running ``fn``'s Python a second time."""
   return lambda: jax.tree.unflatten(
       jax.tree.structure(shapes), jax.extend.core.jaxpr_as_fun(program)())

@@ -65,7 +65,7 @@ def error_feedback_transform(
     *,
     axis_name: str,
     init_state: Callable[[jax.Array, int, int], Any],
-    step: Callable[[jax.Array, Any, int], tuple[_exchange.SparseUpdate, Any]],
+    step: _density_schedule.StepFn | _density_schedule.LevelSteps,
 ) -> _collectives.Sparsifier:
   """Builds an optax transform around one sparsification step.
 
@@ -87,6 +87,9 @@ def error_feedback_transform(
       form the new residual. The step sees the state with ``residual`` and
       ``leaves_seen`` set to None and returns them so (a skipped step's
       branch returns the state it was given: the structures must agree).
+      Or a density schedule's `_density_schedule.LevelSteps`: the current
+      level's step runs, and its update is written, in one branch of a
+      ``lax.switch``.
 
   Returns:
     The optax transformation.
@@ -125,12 +128,23 @@ def error_feedback_transform(
       accumulated = accumulate(updates, state.residual, screened.nonfinite + screened.checked)
       # The method sees neither the residual nor leaves_seen: the shell owns both.
       previous = state._replace(residual=None, leaves_seen=None)
-      sparse, new_state = _guard.skip_if_nonfinite(
-          screened, step, (accumulated[0], previous, num_workers), previous,
-          skipped=lambda shapes: _exchange.SparseUpdate.nothing(
-              shapes, layout.num_elements, axis_name))
-      sparse = keep_what_rounding_loses(sparse, layout)
-      update, residual = sparse.dense(layout.num_elements), cleared(sparse, accumulated)[0]
+
+      def applied(step):  # one step, its update and new residual written
+        def run():
+          sparse, new_state = _guard.skip_if_nonfinite(
+              screened, step, (accumulated[0], previous, num_workers), previous,
+              skipped=lambda shapes: _exchange.SparseUpdate.nothing(
+                  shapes, layout.num_elements, axis_name))
+          sparse = keep_what_rounding_loses(sparse, layout)
+          return sparse.dense(layout.num_elements), cleared(sparse, accumulated)[0], new_state
+
+        return run
+
+      if isinstance(step, _density_schedule.LevelSteps):
+        update, residual, new_state = _density_schedule.by_level(
+            step.first_steps, state.stats.step, [applied(s) for s in step.steps], axis_name)
+      else:
+        update, residual, new_state = applied(step)()
     new_state = new_state._replace(residual=residual, leaves_seen=state.leaves_seen)
     return _layout.resharded_like(_layout.unflatten(update, layout), given), new_state
 

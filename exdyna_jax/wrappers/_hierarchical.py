@@ -58,7 +58,7 @@ def slice_size(num_elements: int, num_local: int) -> int:
 
 def _refuse_varying_types(fast_axis: str) -> None:
   """Scatter mode cannot run under ``shard_map(check_vma=True)``; says what to do."""
-  if _collectives._tracks_varying(fast_axis):
+  if _collectives.tracks_varying(fast_axis):
     raise ValueError(
         "hierarchical(fast_reduce='scatter') runs the sparsifier on a slice that differs "
         f"between the devices of a node (it varies over {fast_axis!r} as well as the slow "
@@ -294,7 +294,7 @@ def _scatter_mode(
       raise _slice_context(error, layout.num_elements, num_local) from error
     update, state = keep_what_rounding_loses(
         update, state, layout, jax.lax.axis_index(fast_axis) * size)
-    if _collectives._is_manual(fast_axis):
+    if _collectives.is_manual(fast_axis):
       full = jax.lax.all_gather(update, fast_axis, tiled=True, to="invarying")
     else:  # vmap(axis_name=...) has no invariant all_gather
       full = jax.lax.all_gather(update, fast_axis, tiled=True)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from exdyna_jax.core import _options, _stats
+from exdyna_jax.core import _collectives, _options, _stats
 
 
 class LocalStepsState(NamedTuple):
@@ -123,7 +123,11 @@ def local_steps(
     Array([-0.7, -0.7, -0.7, -0.7, -0.7, -0.7, -0.7, -0.7], dtype=float32)
   """
   sync_every = _options.check_positive_int(sync_every, "sync_every", "inner steps a sync")
+  axis_name = getattr(compressor, "axis_name", None)  # a method's own (not hierarchical's)
   compressor = _stats.require_exchange(compressor, "local_steps' compressor")
+
+  def one_count(count):  # batched under vmap, where the cond would run both sides
+    return count if axis_name is None else _collectives.unbatched(count, axis_name)
   inner = optax.with_extra_args_support(inner)
   outer = optax.sgd(1.0) if outer is None else outer
 
@@ -153,7 +157,7 @@ def local_steps(
     def keep_going():
       return steps, state._replace(count=count, local=local, inner=inner_state)
 
-    return jax.lax.cond(count % sync_every == 0, sync, keep_going)
+    return jax.lax.cond(one_count(count) % sync_every == 0, sync, keep_going)
 
   def outer_step(local, state):
     """The sync: ``(new synced params, compressor state, outer state)``."""
