@@ -4,12 +4,11 @@ Runs ``exdyna-jax demo --processes 4 --task lm --link-rate RATE`` as a user
 does, once per link rate and recipe: each run trains dense for 200 steps,
 then every other method for dense's seconds (its schedule over the steps
 that fit them), and says when each first reached dense's final test loss.
-The recipes (`recipes`): the per-step AdamW recipes at 1 % (`topk_union`
-and ExDyna), the 2-bit one at its bytes (``--method chunked_topk
---value-bits 2 --density 0.015``, ``6 d / n`` at n = 4), and local steps of
-AdamW with every element in 2 bits on a quantized all-reduce every ``H``
-steps (``--method chunked_topk --density 1 --value-bits 2 --wire
-all_reduce --sync-every H``).
+The recipes (`recipes`): the per-step AdamW recipes at 1 % (`topk_union`,
+ExDyna, and ``chunked_topk_2bit``: ``6 d / n`` in 2 bits after its density
+warm-up), and local steps of AdamW with every element in 2 bits on a
+quantized all-reduce every ``H`` steps (``--method chunked_topk --density 1
+--value-bits 2 --wire all_reduce --sync-every H``).
 
 Run as root (network namespaces): ``python -m benchmarks.cluster_lm
 [--rates 100mbit 1gbit] [--sync-every 10 100] [--task lm-code]`` (about 30 minutes); writes
@@ -27,8 +26,7 @@ from pathlib import Path
 
 from benchmarks import _common
 
-PER_STEP = ["--method", "topk_union", "exdyna"]
-PER_STEP_TWO_BIT = ["--method", "chunked_topk", "--value-bits", "2", "--density", "0.015"]
+PER_STEP = ["--method", "topk_union", "exdyna", "chunked_topk_2bit"]
 TWO_BIT_ALL_REDUCE = ["--method", "chunked_topk", "--density", "1", "--value-bits", "2",
                       "--wire", "all_reduce"]
 
@@ -37,8 +35,7 @@ def recipes(sync_every: list[int]) -> dict[str, list[str]]:
   """``{label: demo arguments}``: the per-step recipes, then local steps at each ``H``."""
   local = {f"local steps, H = {h}": [*TWO_BIT_ALL_REDUCE, "--sync-every", str(h)]
            for h in sync_every}
-  return {"per step, d = 0.01": PER_STEP, "per step, 2 bits": PER_STEP_TWO_BIT,
-          **local}
+  return {"per step, d = 0.01": PER_STEP, **local}
 
 
 def demo_runs(task: str, rate: str, arguments: list[str], eval_every: int) -> dict:

@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
       f"{', '.join(m for m in demo_methods() if m != 'dense')}; {TOPK_UNION} is the float32 "
       "AdamW recipe, topk(density / workers, exact=False): each worker its share of "
       f"--density, their union about --density; {TWO_BIT} the 2-bit one, "
-      "chunked_topk(6 * density / workers, value_bits=2), about the same bytes "
+      "chunked_topk(6 * density / workers, value_bits=2) after a density warm-up, about the "
+      "same bytes "
       f"(default: exdyna; exdyna {TWO_BIT} for the lm tasks)")
   demo.add_argument("--density", type=_density, default=0.01,
                     help="fraction of gradient elements sent per step (default: 0.01)")
@@ -129,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "at low density it amplifies stale bursts (default: 0)")
   demo.add_argument("--density-warmup", type=_int_at_least(0), default=0, metavar="STEPS",
                     help="a DGC-style density warm-up, STEPS per level: 25 %%, then a "
-                    "quarter per level down to --density (default: 0, none)")
+                    f"quarter per level down to --density (default: 0, none; {TWO_BIT} always "
+                    "warms up, from 12.5 %% a worker, 10 steps a level unless STEPS)")
   demo.add_argument("--value-dtype", default="float32",
                     choices=("float32", "bfloat16", "float16"),
                     help="dtype the exchanged values are summed in (default: float32)")

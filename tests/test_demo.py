@@ -290,9 +290,11 @@ def test_topk_union_shares_the_density_among_the_workers():
   assert recipes.per_worker({0: 0.25, 10: 0.04}, 4) == {0: 0.0625, 10: 0.01}
 
 
-def test_the_2bit_recipe_sends_six_shares_and_is_the_lm_tasks_default():
-  """``chunked_topk_2bit``: each worker its own ``6 d / n`` in 2 bits (at most every element);
-  the ``k`` asked is the workers' together."""
+def test_the_2bit_recipe_sends_six_shares_after_a_warmup_and_is_the_lm_tasks_default():
+  """``chunked_topk_2bit``: each worker its own ``6 d / n`` in 2 bits (at most every element),
+  after levels of 12.5 %, then a quarter of it, ten steps each; the ``k`` asked is the
+  workers' together."""
+  import exdyna_jax
   from exdyna_jax.demo import recipes
 
   parse = _cli.build_parser().parse_args
@@ -301,8 +303,13 @@ def test_the_2bit_recipe_sends_six_shares_and_is_the_lm_tasks_default():
   assert parse(["demo", "--method", "Chunked-TopK-2bit"]).method == ["chunked_topk_2bit"]
   assert recipes.per_worker(0.01, 4, shares=6) == pytest.approx(0.015)
   assert recipes.per_worker({0: 0.5, 10: 0.01}, 2, shares=6) == {0: 1.0, 10: 0.03}
-  run, workers = _tiny_lm_run("chunked_topk_2bit", steps=3, eval_every=3)
-  assert run.target == workers * int(6 * 0.04 / workers * run.num_elements)
+  assert recipes.two_bit_density(recipes.TrainConfig(density=0.01), 8) == {
+      0: 0.125, 10: 0.03125, 20: 0.0078125, 30: 0.0075}
+  assert recipes.two_bit_density(recipes.TrainConfig(density=0.25), 8) == 0.1875  # no warm-up
+  run, workers = _tiny_lm_run("chunked_topk_2bit", steps=3, eval_every=3, density_warmup=1)
+  levels = exdyna_jax.dgc_warmup(6 * 0.04 / workers, steps_per_level=1, start=0.125).values()
+  assert [r["target"] for r in run.records] == [
+      workers * int(level * run.num_elements) for level in levels]
   assert all(0 < r["sent_over_k"] <= 1 for r in run.records), run.records
 
 

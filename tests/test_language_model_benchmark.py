@@ -129,8 +129,8 @@ def test_the_cluster_section_reads_each_demo_run_against_its_own_dense(tmp_path)
 
   local = cluster_lm.recipes([10])["local steps, H = 10"]
   assert local[local.index("--sync-every") + 1] == "10" and "all_reduce" in local
-  two_bit = cluster_lm.recipes([10])["per step, 2 bits"]  # 6 d / n at d = 0.01, n = 4
-  assert two_bit[two_bit.index("--density") + 1] == "0.015" and "--sync-every" not in two_bit
+  per_step = cluster_lm.recipes([10])["per step, d = 0.01"]  # the demo's AdamW recipes
+  assert {"topk_union", "chunked_topk_2bit"} <= set(per_step) and "--sync-every" not in per_step
 
   def demo_run(rate, recipe, dense_seconds, method_seconds, method="chunked_topk"):
     def run(variant, seconds, losses, steps):

@@ -136,14 +136,18 @@ def per_shard_reference(tx, params, split, shards, workers, steps=4):
   return params, transmitted, target
 
 
-@pytest.mark.parametrize("method", ["exdyna", "topk"])
-def test_on_explicit_axes_each_device_sparsifies_its_own_shards(method):
+@pytest.mark.parametrize(("method", "density", "asked"), [
+    ("exdyna", 0.1, 4 * 2 * 32),  # k = floor(0.1 * 322) a shard, each step: 0.1 of the model
+    ("topk", 0.1, 4 * 2 * 32),
+    ("topk", {0: 0.5, 2: 0.1}, 2 * 2 * 161 + 2 * 2 * 32),  # a density warm-up
+])
+def test_on_explicit_axes_each_device_sparsifies_its_own_shards(method, density, asked):
   """On ``jax.make_mesh``'s default Explicit axes each device runs the method on its own
   shards (a bias both hold, halved): the run equals each shard's parts stepped on their own,
   the residual is split over ``model`` (no device holds all ``N``), and the stats count the
   whole model."""
   mesh = jax.make_mesh((4, 2), ("data", "model"))
-  sparsifier = exdyna_jax.get_sparsifier(method, density=0.1)
+  sparsifier = exdyna_jax.get_sparsifier(method, density=density)
   dp, step = train_step(optax.chain(sparsifier, optax.sgd(0.1)), mesh)
   params = sharded(init_params(), mesh)
   opt_state = dp.init(params)
@@ -158,7 +162,7 @@ def test_on_explicit_axes_each_device_sparsifies_its_own_shards(method):
                jax.device_get(params), jax.device_get(expected))
   totals = exdyna_jax.read_totals(dp.stats(opt_state))
   assert (totals["transmitted"], totals["target"]) == (transmitted, target)
-  assert target == 4 * 2 * 32  # k = floor(0.1 * 322) a shard, each step: 0.1 of the model
+  assert target == asked
   with pytest.raises(NotImplementedError, match="sharded over Explicit mesh axes"):
     exdyna_jax.resize_workers(dp.tx, opt_state, params, 2)
 

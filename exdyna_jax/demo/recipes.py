@@ -35,7 +35,8 @@ class TrainConfig:
     warmup_steps: linear learning-rate warm-up steps (0: none).
     density_warmup: steps per level of a DGC-style density warm-up
       (`exdyna_jax.dgc_warmup`: 25 %, then a quarter of it per level down to
-      ``density``; 0: none).
+      ``density``; 0: none). `TWO_BIT` always warms up, from its own first
+      level, 10 steps a level unless this gives them.
     value_dtype: the dtype the sparsifier sums the exchanged values in
       (``"float32"``, ``"bfloat16"``, ``"float16"``).
     network: ``(message_seconds, bytes_per_second)`` of the workers' network,
@@ -103,12 +104,19 @@ TOPK_UNION = "topk_union"
 their union sends about ``density``."""
 
 TWO_BIT = "chunked_topk_2bit"
-"""The demo's name for the 2-bit AdamW recipe, ``chunked_topk(TWO_BIT_SHARE * density / n,
-value_bits=2)``: each worker sends six times its share of ``density`` in 2-bit values, about
-the bytes of `TOPK_UNION`'s float32 ones."""
+"""The demo's name for the 2-bit AdamW recipe, ``chunked_topk(dgc_warmup(TWO_BIT_SHARE * density
+/ n, steps_per_level=10, start=0.125), value_bits=2)``: each worker sends six times its share of
+``density`` in 2-bit values, about the bytes of `TOPK_UNION`'s float32 ones, after a density
+warm-up (`two_bit_density`)."""
 
 TWO_BIT_SHARE = 6
 """How many shares of ``density`` each worker of `TWO_BIT` picks."""
+
+TWO_BIT_WARMUP_START = 0.125
+"""Each worker's density in the first level of `TWO_BIT`'s warm-up."""
+
+TWO_BIT_WARMUP_STEPS = 10
+"""Steps a level of `TWO_BIT`'s warm-up, unless ``density_warmup`` gives them."""
 
 SHARED_DENSITY = (TOPK_UNION, TWO_BIT)
 """The demo's own names, not registered methods: the recipes whose ``density`` the workers
@@ -136,6 +144,16 @@ def per_worker(density: float | dict[int, float], num_workers: int,
   return min(1.0, shares * density / num_workers)
 
 
+def two_bit_density(config: TrainConfig, num_workers: int) -> float | dict[int, float]:
+  """`TWO_BIT`'s density: each worker's `TWO_BIT_SHARE` shares, warmed up from
+  `TWO_BIT_WARMUP_START` down by 4 a level (`exdyna_jax.dgc_warmup`) where they are below it."""
+  share = per_worker(config.density, num_workers, TWO_BIT_SHARE)
+  if share >= TWO_BIT_WARMUP_START:
+    return share
+  steps = config.density_warmup or TWO_BIT_WARMUP_STEPS
+  return exdyna_jax.dgc_warmup(share, steps_per_level=steps, start=TWO_BIT_WARMUP_START)
+
+
 def sparsifier_for(method: str, config: TrainConfig,
                    num_workers: int = 1) -> optax.GradientTransformationExtraArgs:
   """The sparsifier of ``method`` (a name of `demo_methods`) under ``config``.
@@ -152,8 +170,8 @@ def sparsifier_for(method: str, config: TrainConfig,
     return exdyna_jax.topk(per_worker(density, num_workers), exact=False, axis_name=AXIS,
                            **options)
   if name == TWO_BIT:
-    return exdyna_jax.chunked_topk(per_worker(density, num_workers, TWO_BIT_SHARE),
-                                   value_bits=2, axis_name=AXIS, **options)
+    return exdyna_jax.chunked_topk(two_bit_density(config, num_workers), value_bits=2,
+                                   axis_name=AXIS, **options)
   if name == "exdyna" and config.network is not None:
     options["network"] = exdyna_jax.Network(*map(float, config.network))
   if name == "chunked_topk":

@@ -14,6 +14,7 @@ method's state carry over between levels unchanged.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable, Mapping
@@ -188,11 +189,9 @@ def dense_step(axis_name: str) -> StepFn:
   return step
 
 
-def by_level(
-    first_steps: tuple[int, ...], step: jax.Array, branches: list[Callable[[], Any]],
-    axis_name: str,
-) -> Any:
-  """The output of ``branches[i]`` for the level ``i`` that ``step`` is in (one ``lax.switch``).
+def by_level(schedule: LevelSteps, step: jax.Array, run: Callable[[StepFn], Any],
+             axis_name: str) -> Any:
+  """``run(schedule.steps[i])`` for the level ``i`` that ``step`` is in (one ``lax.switch``).
 
   Under ``vmap`` the step count is batched (one per worker, all equal) and
   a batched index would turn the switch into selects that run every
@@ -200,7 +199,8 @@ def by_level(
   ``shard_map(check_vma=True)`` every output is typed varying where any
   branch's is.
   """
-  level = jnp.sum(step >= jnp.asarray(first_steps, jnp.int32)) - 1
+  level = jnp.sum(step >= jnp.asarray(schedule.first_steps, jnp.int32)) - 1
+  branches = [functools.partial(run, level_step) for level_step in schedule.steps]
   return jax.lax.switch(_collectives.unbatched(level, axis_name),
                         typed_alike(branches, axis_name))
 

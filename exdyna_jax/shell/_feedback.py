@@ -129,22 +129,19 @@ def error_feedback_transform(
       # The method sees neither the residual nor leaves_seen: the shell owns both.
       previous = state._replace(residual=None, leaves_seen=None)
 
-      def applied(step):  # one step, its update and new residual written
-        def run():
-          sparse, new_state = _guard.skip_if_nonfinite(
-              screened, step, (accumulated[0], previous, num_workers), previous,
-              skipped=lambda shapes: _exchange.SparseUpdate.nothing(
-                  shapes, layout.num_elements, axis_name))
-          sparse = keep_what_rounding_loses(sparse, layout)
-          return sparse.dense(layout.num_elements), cleared(sparse, accumulated)[0], new_state
-
-        return run
+      def applied(step):  # one step: its update, the new residual, the state
+        sparse, new_state = _guard.skip_if_nonfinite(
+            screened, step, (accumulated[0], previous, num_workers), previous,
+            skipped=lambda shapes: _exchange.SparseUpdate.nothing(
+                shapes, layout.num_elements, axis_name))
+        sparse = keep_what_rounding_loses(sparse, layout)
+        return sparse.dense(layout.num_elements), cleared(sparse, accumulated)[0], new_state
 
       if isinstance(step, _density_schedule.LevelSteps):
         update, residual, new_state = _density_schedule.by_level(
-            step.first_steps, state.stats.step, [applied(s) for s in step.steps], axis_name)
+            step, state.stats.step, applied, axis_name)
       else:
-        update, residual, new_state = applied(step)()
+        update, residual, new_state = applied(step)
     new_state = new_state._replace(residual=residual, leaves_seen=state.leaves_seen)
     return _layout.resharded_like(_layout.unflatten(update, layout), given), new_state
 
