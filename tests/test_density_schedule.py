@@ -60,10 +60,6 @@ def level_at(step):
 
 @pytest.mark.parametrize("name", SCHEDULED)
 def test_each_step_is_its_level(name):
-  check_each_step_is_its_level(name)
-
-
-def check_each_step_is_its_level(name):
   grads = gradients()
   updates, states, final = run(make(name, SCHEDULE), grads)
   residuals = np.asarray(states.residual)  # [n, T, N]
