@@ -97,7 +97,8 @@ def tracks_varying(axis_name: str) -> bool:
 
 
 def is_varying(x: jax.Array, axis_name: str) -> bool:
-  """Whether ``x``'s type says it varies over ``axis_name`` (``shard_map(check_vma=True)``)."""
+  """Whether ``x``'s type (an array's, or a traced shape's) says it varies over ``axis_name``
+  (``shard_map(check_vma=True)``)."""
   return axis_name in jax.typeof(x).manual_axis_type.varying
 
 

@@ -215,7 +215,7 @@ def typed_alike(branches: list[Callable[[], Any]], axis_name: str) -> list[Calla
   if not _collectives.tracks_varying(axis_name):
     return branches
   recorded = [jax.make_jaxpr(branch, return_shape=True)() for branch in branches]
-  varying = [any(axis_name in leaf.manual_axis_type.varying for leaf in leaves)
+  varying = [any(_collectives.is_varying(leaf, axis_name) for leaf in leaves)
              for leaves in zip(*(jax.tree.leaves(shapes) for _, shapes in recorded), strict=True)]
 
   def cast(record):
