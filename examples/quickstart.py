@@ -79,7 +79,6 @@ def main():
   for t in range(args.steps):
     idx = rng.integers(0, len(x_train), n * args.batch_per_worker)
     params, opt_state, losses = step(params, opt_state, (x_train[idx], y_train[idx]))
-    jax.block_until_ready(losses)  # CPU devices in one process: block (docs/multihost.md)
     if t % 50 == 0 or t == args.steps - 1:
       stats = dp.stats(opt_state)  # the same on every worker: no worker axis
       print(

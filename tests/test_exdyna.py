@@ -404,6 +404,27 @@ def test_decorated_per_worker_step_equals_the_plain_jit_path():
   assert int(stats.transmitted) > 0
 
 
+def test_a_step_on_several_cpu_devices_returns_when_it_has_run():
+  """XLA:CPU's collectives deadlock, or abort the process after 40 s, when steps queue up
+  ahead of a process's CPU devices (docs/multihost.md, section 6): there the decorated step
+  returns its outputs ready, as a loop reading its loss every step would."""
+  tx = optax.chain(exdyna_jax.topk(0.02), optax.sgd(0.1))
+  dp = exdyna_jax.data_parallel(tx, harness.mesh_of(8))
+  x = np.random.default_rng(0).normal(size=(8 * 256, 256)).astype(np.float32)
+
+  @dp.step
+  def train_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(batch @ p["w"]) ** 2))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  params = {"w": jnp.eye(256)}
+  opt_state = dp.init(params)
+  for _ in range(5):
+    params, opt_state, losses = train_step(params, opt_state, x)
+    assert all(leaf.is_ready() for leaf in jax.tree.leaves((params, opt_state, losses)))
+
+
 def test_decorated_step_that_returns_no_state_is_refused():
   dp = exdyna_jax.data_parallel(exdyna_jax.topk(0.01), harness.mesh_of(8))
   step = dp.step(lambda params, opt_state, batch: params)

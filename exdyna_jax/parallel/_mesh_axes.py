@@ -5,7 +5,8 @@ or a tuple of them (``("node", "local")`` for a `hierarchical` sparsifier),
 and replicates both over the others. On a mesh of several axes it traces
 ``tx.init`` abstractly with chosen axes bound: every sparsifier's ``init``
 reads the size of each axis it exchanges over, so what it finds unbound says
-which axes the optimizer needs.
+which axes the optimizer needs. `waits_for_each_step` says whether a step on
+a mesh blocks.
 """
 
 from __future__ import annotations
@@ -101,3 +102,15 @@ def refuse_axes_it_does_not_split(tx: optax.GradientTransformation, params: Any,
           f"workers along it would train apart. Wrap the sparsifier in hierarchical(..., "
           f"fast_axis={axis!r}), or leave {axis!r} out of axis_name."
       )
+
+
+def waits_for_each_step(mesh: jax.sharding.Mesh) -> bool:
+  """Whether the decorated steps on ``mesh`` wait for their results.
+
+  They do on a mesh of several CPU devices: when a process queues steps
+  ahead of its CPU devices, XLA:CPU's collectives can deadlock, or abort the
+  process after 40 s in their rendezvous (:doc:`/multihost`, section 6), so
+  a step there blocks until its outputs are ready, as a loop that reads its
+  loss every step would.
+  """
+  return mesh.size > 1 and mesh.devices.flat[0].platform == "cpu"

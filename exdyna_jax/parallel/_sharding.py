@@ -76,7 +76,10 @@ class DataParallel(NamedTuple):
       are replicated. ``train_step`` takes and returns the same, with the
       state's worker axis; it is jitted, with ``params`` and ``opt_state``
       donated (updated in place), and each ``aux`` leaf (a loss, say) comes
-      back with a leading worker axis, one value per worker.
+      back with a leading worker axis, one value per worker. On a mesh of
+      several CPU devices ``train_step`` returns when the step has run
+      (XLA:CPU's collectives deadlock when steps queue up, :doc:`/multihost`);
+      elsewhere it returns at once, as a jitted function does.
     update: ``(worker_grads, opt_state, params) -> (updates, opt_state)``;
       ``worker_grads`` leaves have the leading worker axis (as
       ``value_and_grad`` returns them); ``updates`` are replicated and shaped
@@ -347,6 +350,7 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
                    out_shardings=(None, jax.tree.unflatten(*param_shardings), None))
 
   checked = []  # the params' copies are compared after the first call
+  waits = _mesh_axes.waits_for_each_step(mesh)
   counts = _mesh_axes.worker_counts(mesh, axis_name)  # what a state may record
   returned = []  # a weak reference to the first leaf of the state the last call returned
   differs = jax.jit(shard(functools.partial(
@@ -369,11 +373,13 @@ def step_decorator(mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...],
     opt_state, params, aux = state_first(len(args), shardings_of(params))(
         params, opt_state, batch, *args)
     returned[:] = _dp_checks.weak_first_leaf(opt_state)
-    if not checked and not any(  # under a jit of the user's, nothing to read
-        isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(params)):
+    outputs = (params, opt_state, *aux)
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(params)):
+      return outputs  # under a jit of the user's: nothing to read or wait for
+    if not checked:
       _dp_checks.refuse_per_worker_params(differs(params))
       checked.append(True)
-    return (params, opt_state, *aux)
+    return jax.block_until_ready(outputs) if waits else outputs
 
   def lower(params, opt_state, batch, *args):  # e.g. to read the compiled program's collectives
     params = place_params(params, mesh, axis_name)
