@@ -5,10 +5,11 @@ The single-device linen training script (a CNN with BatchNorm and Dropout, a
 ``state.apply_gradients(...)``), ported to 8 workers. The lines marked
 ``# data parallel`` are all that changed:
 
-- a mesh, and ``exdyna_jax.sparse_adamw(chunked_topk(6 * density / 8,
-  value_bits=2), lr)`` for ``optax.adamw(lr, momentum)`` (the library's
+- a mesh, and ``exdyna_jax.sparse_adamw(chunked_topk(dgc_warmup(6 * density / 8,
+  ...), value_bits=2), lr)`` for ``optax.adamw(lr, momentum)`` (the library's
   AdamW recipe: each worker sends its own largest ``6 density / 8`` of every
-  4,096 coordinates in 2 bits, the bytes of about ``density`` in float32;
+  4,096 coordinates in 2 bits, the bytes of about ``density`` in float32,
+  after ten steps at 12.5 % and ten at 3.1 %;
   each worker's own second moment preconditions its gradient and the
   sparsifier's residual carries the momentum);
 - ``exdyna_jax.create_train_state(dp, TrainState, ...)`` for
@@ -72,8 +73,9 @@ def train(args: argparse.Namespace) -> dict[str, float]:
   model = CNN()
   train_ds, test_ds = _common.digit_images()
   variables = model.init(jax.random.key(0), train_ds["image"][:1], train=False)
-  tx = exdyna_jax.sparse_adamw(exdyna_jax.chunked_topk(  # data parallel: residual = momentum
-      6 * args.density / mesh.size, value_bits=2), args.learning_rate)  # data parallel
+  tx = exdyna_jax.sparse_adamw(exdyna_jax.chunked_topk(exdyna_jax.dgc_warmup(  # data parallel
+      6 * args.density / mesh.size, steps_per_level=10, start=0.125),  # data parallel: warm-up
+      value_bits=2), args.learning_rate)  # data parallel: the residual is the momentum
   dp = exdyna_jax.data_parallel(tx, mesh)  # data parallel
   state = exdyna_jax.create_train_state(  # data parallel
       dp, TrainState, apply_fn=model.apply, params=variables["params"],

@@ -19,11 +19,11 @@ Either way ``exdyna_jax.data_parallel(tx, mesh, axis_name="data")`` makes the
 ``"data"`` axis the workers (the replicas, across the slow network), and each
 device sparsifies the shards it holds and exchanges them over ``"data"`` only:
 its residual is its own shards'. Trained once with data-parallel AdamW and once
-with the AdamW recipe, ``sparse_adamw(chunked_topk(6 * density / n,
-value_bits=2), 2 * lr)`` on ``n`` replicas (the bytes of ``density`` in
-float32); prints test loss, the bytes each device sends over ``"data"`` a
+with the AdamW recipe, ``sparse_adamw(chunked_topk(dgc_warmup(6 * density / n,
+...), value_bits=2), 2 * lr)`` on ``n`` replicas (the bytes of ``density`` in
+float32 after a 20-step warm-up); prints test loss, the bytes each device sends over ``"data"`` a
 step (the library's count), whether every parameter kept its sharding, and
-the optimizer state a device holds. The five lines marked ``# exdyna`` are
+the optimizer state a device holds. The six lines marked ``# exdyna`` are
 what porting the tutorial took (its ``nnx.Optimizer`` and ``nnx.jit``
 swapped, the sparsifier and the data axis named); the ``out_sharding``
 arguments and the gathered weights are what Explicit axes ask of any sharded
@@ -163,8 +163,9 @@ def train(method: str, args: argparse.Namespace, mesh: jax.sharding.Mesh,
     tx = optax.chain(clip, exdyna_jax.dense(),
                      optax.adamw(schedule(args.learning_rate), weight_decay=0.01))
   else:  # the AdamW recipe: each replica 6 d / n of the coordinates in 2 bits, twice the rate
-    sparsifier = exdyna_jax.chunked_topk(6 * args.density / mesh.shape["data"],  # exdyna
-                                         value_bits=2)
+    density = exdyna_jax.dgc_warmup(6 * args.density / mesh.shape["data"],  # exdyna
+                                    steps_per_level=10, start=0.125)  # ten steps a level
+    sparsifier = exdyna_jax.chunked_topk(density, value_bits=2)  # exdyna
     tx = optax.chain(clip, exdyna_jax.sparse_adamw(  # exdyna
         sparsifier, schedule(2 * args.learning_rate), weight_decay=0.01))
   dp = exdyna_jax.data_parallel(tx, mesh, axis_name="data")  # exdyna

@@ -333,7 +333,8 @@ def test_momentum_or_adam_after_a_sparsifier_is_warned_about_by_data_parallel(tx
   """They get the bursts error feedback releases; the warning names what to use instead,
   and that ``momentum=0.0`` keeps a trace (its state cannot tell 0 from 0.9)."""
   with pytest.warns(UserWarning, match=r"follows a sparsifier.*sparse_adamw.*1 / \(1 - momentum\)"
-                    r".*momentum=0\.0\) keeps a trace too: pass momentum=None"):
+                    r".*clip_by_global_norm.*momentum=0\.0\) keeps a trace too: "
+                    r"pass momentum=None"):
     exdyna_jax.data_parallel(tx(), harness.mesh_of(NUM_WORKERS)).init(params())
 
 

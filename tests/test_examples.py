@@ -94,13 +94,17 @@ def test_quickstart_example(monkeypatch, capsys):
 @pytest.mark.parametrize("name", ["flax_mnist", "linen_mnist"])
 def test_flax_mnist_ports(name, capsys):
   """Flax's MNIST CNN (BatchNorm, Dropout; NNX with nnx.Optimizer and MultiMetric, linen with
-  a TrainState) on 8 workers, ported in at most 15 marked lines; it learns and sends the
+  a TrainState) on 8 workers, ported in at most 16 marked lines; it learns and sends the
   density asked for."""
   history = load_example(name).main(["--steps", "12", "--eval-every", "6", "--batch-size", "32"])
   printed = capsys.readouterr().out
   assert "step   12" in printed and "8 workers, sent/k" in printed
-  assert history["test_accuracy"] > 0.2  # chance is 0.1 (0.62 NNX, 0.52 linen when written)
-  assert history["train_loss"] < 2.0  # log(10) = 2.3 at the start (1.03, 1.10 when written)
-  assert 0.5 < history["sent_share"] < 1.15  # indices transmitted / (n k): the union of the picks
+  assert history["test_accuracy"] > 0.2  # chance is 0.1 (0.63 NNX, 0.64 linen when written)
+  # log(10) = 2.3 at the start. Not the train loss: the density warm-up's first steps
+  # (12.5 % at the full rate) raise it for a few steps (3.4 at step 6, NNX).
+  assert history["test_loss"] < 2.0  # 1.67 NNX, 1.79 linen when written
+  # Indices transmitted / (n k): the union of the workers' picks, which overlap most at the
+  # warm-up's 12.5 % (0.44 after 12 steps when written; 0.71 after 300).
+  assert 0.3 < history["sent_share"] < 1.15
   wiring = (EXAMPLES / f"{name}.py").read_text().count("# data parallel")
-  assert wiring <= 15, wiring
+  assert wiring <= 16, wiring

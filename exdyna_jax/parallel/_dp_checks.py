@@ -369,12 +369,12 @@ def warn_if_moments_after(opt_state: Any) -> None:
           "than without the sparsifier. Use exdyna_jax.sparse_adamw(sparsifier, lr) in place "
           "of chain(sparsifier, adamw(lr)), best with sparsifier = exdyna_jax.chunked_topk("
           "exdyna_jax.dgc_warmup(6 * d / n, steps_per_level=10, start=0.125), value_bits=2) on "
-          "n workers and twice the rate; for momentum SGD, drop "
-          "the momentum and scale the learning rate by 1 / (1 - momentum): chain(sparsifier, "
-          "optax.sgd(lr / (1 - momentum))), the residual carrying the momentum (docs/usage.md, "
-          "'Momentum and Adam with a sparsifier'). optax.sgd(lr, momentum=0.0) keeps a trace "
-          "too: pass momentum=None. Under local_steps with a sparse compressor, keep the "
-          "default outer=optax.sgd(1.0).",
+          "n workers and twice the rate; for momentum SGD, drop the momentum and scale the "
+          "learning rate by 1 / (1 - momentum), clipping each worker's gradient first: "
+          "chain(optax.clip_by_global_norm(1.0), sparsifier, optax.sgd(lr / (1 - momentum))), "
+          "the residual carrying the momentum (docs/usage.md, 'Momentum and Adam with a "
+          "sparsifier'). optax.sgd(lr, momentum=0.0) keeps a trace too: pass momentum=None. "
+          "Under local_steps with a sparse compressor, keep the default outer=optax.sgd(1.0).",
           UserWarning,
           stacklevel=3,
       )
