@@ -16,7 +16,9 @@ scales its peak rate by ``F``, e.g. ``sparse_adamw_topk_steered@0.00125@2xlr``):
 - ``exdyna@D``: per-step ExDyna then AdamW, ``chain(exdyna(D), clip, adamw)``;
 - ``sparse_adamw@D``: ``chain(clip, sparse_adamw(exdyna(D), ...))``;
   ``sparse_adamw_chunked_topk@D@2``: values in 2 bits (the values' format
-  after the density, as for ``local``);
+  after the density, as for ``local``); ``@DwL``: ``D`` after a density
+  warm-up of ``L`` steps a level from 12.5 % (``dgc_warmup(D,
+  steps_per_level=L, start=0.125)``, the recipe's);
 - ``diloco@H``: `local_steps` of ``chain(clip, adamw)``, ``dense()``, outer
   Nesterov (0.7, 0.9);
 - ``local@H@D``: `local_steps` with ``exdyna(D)`` and the default outer
@@ -130,6 +132,14 @@ def global_topk_feedback(density: float) -> optax.GradientTransformation:
                                       update_fn)
 
 
+def density_of(spec: str) -> float | dict[int, float]:
+  """``"0.0075"`` -> 0.0075; ``"0.0075w10"`` -> the recipe's warm-up to it, ten steps a level."""
+  density, _, steps_per_level = spec.partition("w")
+  if not steps_per_level:
+    return float(density)
+  return exdyna_jax.dgc_warmup(float(density), steps_per_level=int(steps_per_level), start=0.125)
+
+
 def parse_variant(spec: str, default_steps: int) -> tuple[str, list[str], int, float]:
   """``"local@30@0.05@2xlr:900"`` -> ``("local", ["30", "0.05"], 900, 2.0)``."""
   name, _, steps = spec.partition(":")
@@ -158,7 +168,7 @@ def optimizer(kind: str, rest: list[str], steps: int, args: argparse.Namespace,
   def compressor(density: str, values: str = "float32"):
     options = {"chunk": args.chunk} if method == "chunked_topk" else {}
     value_dtype = {"bf16": "bfloat16"}.get(values, values)
-    return COMPRESSORS[method](density=float(density), value_dtype=value_dtype, **options)
+    return COMPRESSORS[method](density=density_of(density), value_dtype=value_dtype, **options)
 
   if base == "ddp":
     return optax.chain(exdyna_jax.dense(), adamw)

@@ -121,6 +121,17 @@ def test_a_per_step_variant_takes_its_values_after_the_density(values):
   assert bytes_sent(variant) == bytes_sent(exdyna_jax.chunked_topk(0.25, chunk=64, **bits))
 
 
+def test_a_density_may_warm_up_as_the_recipe_does():
+  """``@0.02w2``: 12.5 %, then a quarter of it, for two steps each, then 0.02."""
+  assert language_model.density_of("0.01") == 0.01
+  assert language_model.density_of("0.02w2") == {0: 0.125, 2: 0.03125, 4: 0.02}
+  args = argparse.Namespace(**vars(ARGS), chunk=64)
+  grads = jax.random.normal(jax.random.key(0), (8, 5, 64))
+  variant = language_model.optimizer("sparse_adamw_chunked_topk", ["0.02w2", "2"], 5, args)
+  asked = exdyna_jax.get_stats(harness.run_vmap(variant, jnp.ones(64), grads)[1]).target[0]
+  assert asked.tolist() == [8, 8, 2, 2, 1]  # of 64 a worker
+
+
 def test_the_cluster_section_reads_each_demo_run_against_its_own_dense(tmp_path):
   """`benchmarks.cluster_lm` keeps each `exdyna-jax demo --processes 4` run whole; the REPORT
   gives every method its link, its recipe and its time to its own run's dense loss."""
