@@ -1,4 +1,4 @@
-"""Test setup: 8 forced CPU devices, before the backend starts; cheaper compiles; slow tests first.
+"""Test setup: 8 forced CPU devices, before the backend starts; cheaper compiles.
 
 The suite's time is mostly XLA compiling small programs, so two settings
 serve it (subprocesses started by tests inherit both):
@@ -40,12 +40,3 @@ if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
 chex.set_n_cpu_devices(8)
-
-
-def pytest_collection_modifyitems(items):
-  """The tests marked ``slow`` (subprocesses, whole tools) first, the others in their order.
-
-  Under ``pytest -n 2`` the workers then start on the long tests and the many
-  short ones fill in at the end, so neither waits long for the other to finish.
-  """
-  items.sort(key=lambda item: item.get_closest_marker("slow") is None)

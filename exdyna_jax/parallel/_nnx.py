@@ -189,7 +189,8 @@ def nnx_step(dp: _sharding.DataParallel, *, reduce: Mapping[type, str] | None = 
   (one compilation per graph structure, e.g. per ``model.train()`` /
   ``model.eval()``), donates the objects' arrays and puts the new ones back
   into the objects; it returns the step's return value with a leading worker
-  axis on every leaf (one loss per worker, say).
+  axis on every leaf (one loss per worker, say), on a mesh of several CPU
+  devices when the step has run (`DataParallel`).
 
   Args:
     dp: what `data_parallel` returned.

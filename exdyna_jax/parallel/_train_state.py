@@ -150,7 +150,8 @@ def train_state_step(dp: _sharding.DataParallel, *, reduce: Mapping[str, str] | 
   is split over the workers along its leading axis; ``args`` are replicated
   (a random key, say). The
   decorated step is jitted, donates the state and returns what the step
-  returns, with a leading worker axis on every ``aux`` leaf.
+  returns, with a leading worker axis on every ``aux`` leaf; on a mesh of
+  several CPU devices it returns when the step has run (`DataParallel`).
 
   Args:
     dp: what `data_parallel` returned.
