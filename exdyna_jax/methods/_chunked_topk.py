@@ -166,6 +166,8 @@ def chunked_topk(
     values = gathered.values.reshape(-1)
     if per_chunk == length:
       sparse, transmitted = averaged(accumulated, values, axis_name)
+    elif indices.size >= num_elements // SORT_FREE_SHARE:
+      sparse, transmitted = summed_in_place(accumulated, indices, values, axis_name)
     else:
       sparse, transmitted = summed(accumulated, indices, values, axis_name)
     new_stats = _stats.unpartitioned_stats(
@@ -283,6 +285,32 @@ def averaged(accumulated: jax.Array, values: jax.Array, axis_name: str
   return _exchange.SparseUpdate(jnp.arange(num_elements, dtype=jnp.int32),
                                 jnp.sum(values, axis=0) / num_workers,
                                 kept=accumulated - own), jnp.int32(num_elements)
+
+
+SORT_FREE_SHARE = 16
+"""`summed_in_place` sums the gathered picks where they are at least ``N / 16`` of them."""
+
+
+def summed_in_place(accumulated: jax.Array, indices: jax.Array, values: jax.Array,
+                    axis_name: str) -> tuple[_exchange.SparseUpdate, jax.Array]:
+  """`summed` through ``[N]`` buffers, for every index: ``O(N + M)``, no sort.
+
+  The picks' values scattered and added where they belong give the workers'
+  total at each index, this worker's own the same way; what was sent is where
+  any pick landed. For ``M`` picks of the order of ``N`` (a warm-up's first
+  levels), sorting them would cost more than the buffers.
+  """
+  num_workers, num_elements = _collectives.axis_size(axis_name), accumulated.shape[0]
+  row = jnp.arange(indices.shape[0], dtype=jnp.int32) // (indices.shape[0] // num_workers)
+  own = jnp.where(row == jax.lax.axis_index(axis_name), values, 0.0)
+
+  def total(x):
+    return jnp.zeros_like(accumulated).at[indices].add(x, mode="drop")
+
+  sent = jnp.zeros(num_elements, bool).at[indices].set(True, mode="drop")
+  return (_exchange.SparseUpdate(jnp.arange(num_elements, dtype=jnp.int32),
+                                 total(values) / num_workers, kept=accumulated - total(own)),
+          jnp.sum(sent, dtype=jnp.int32))
 
 
 def summed(accumulated: jax.Array, indices: jax.Array, values: jax.Array, axis_name: str
