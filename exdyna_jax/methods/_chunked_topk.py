@@ -167,7 +167,7 @@ def chunked_topk(
     if per_chunk == length:
       sparse, transmitted = averaged(accumulated, values, axis_name)
     elif indices.size >= num_elements // SORT_FREE_SHARE:
-      sparse, transmitted = summed_in_place(accumulated, indices, values, axis_name)
+      sparse, transmitted = summed_in_buffers(accumulated, indices, values, axis_name)
     else:
       sparse, transmitted = summed(accumulated, indices, values, axis_name)
     new_stats = _stats.unpartitioned_stats(
@@ -288,10 +288,10 @@ def averaged(accumulated: jax.Array, values: jax.Array, axis_name: str
 
 
 SORT_FREE_SHARE = 16
-"""`summed_in_place` sums the gathered picks where they are at least ``N / 16`` of them."""
+"""`summed_in_buffers` sums the gathered picks where they are at least ``N / 16`` of them."""
 
 
-def summed_in_place(accumulated: jax.Array, indices: jax.Array, values: jax.Array,
+def summed_in_buffers(accumulated: jax.Array, indices: jax.Array, values: jax.Array,
                     axis_name: str) -> tuple[_exchange.SparseUpdate, jax.Array]:
   """`summed` through ``[N]`` buffers, for every index: ``O(N + M)``, no sort.
 
