@@ -287,12 +287,19 @@ def averaged(accumulated: jax.Array, values: jax.Array, axis_name: str
                                 kept=accumulated - own), jnp.int32(num_elements)
 
 
+def own_values(values: jax.Array, axis_name: str) -> jax.Array:
+  """The gathered ``[M]`` values (worker-major) where this worker sent them, zero elsewhere."""
+  per_worker = values.shape[0] // _collectives.axis_size(axis_name)
+  row = jnp.arange(values.shape[0], dtype=jnp.int32) // per_worker
+  return jnp.where(row == jax.lax.axis_index(axis_name), values, 0.0)
+
+
 SORT_FREE_SHARE = 16
 """`summed_in_buffers` sums the gathered picks where they are at least ``N / 16`` of them."""
 
 
 def summed_in_buffers(accumulated: jax.Array, indices: jax.Array, values: jax.Array,
-                    axis_name: str) -> tuple[_exchange.SparseUpdate, jax.Array]:
+                      axis_name: str) -> tuple[_exchange.SparseUpdate, jax.Array]:
   """`summed` through ``[N]`` buffers, for every index: ``O(N + M)``, no sort.
 
   The picks' values scattered and added where they belong give the workers'
@@ -301,8 +308,7 @@ def summed_in_buffers(accumulated: jax.Array, indices: jax.Array, values: jax.Ar
   levels), sorting them would cost more than the buffers.
   """
   num_workers, num_elements = _collectives.axis_size(axis_name), accumulated.shape[0]
-  row = jnp.arange(indices.shape[0], dtype=jnp.int32) // (indices.shape[0] // num_workers)
-  own = jnp.where(row == jax.lax.axis_index(axis_name), values, 0.0)
+  own = own_values(values, axis_name)
 
   def total(x):
     return jnp.zeros_like(accumulated).at[indices].add(x, mode="drop")
@@ -325,9 +331,7 @@ def summed(accumulated: jax.Array, indices: jax.Array, values: jax.Array, axis_n
   its value where it did. One sort of the ``M`` indices alone and a
   binary search: ``O(M log M)``, no ``[N]`` buffer.
   """
-  num_workers = _collectives.axis_size(axis_name)
-  row = jnp.arange(indices.shape[0], dtype=jnp.int32) // (indices.shape[0] // num_workers)
-  own = jnp.where(row == jax.lax.axis_index(axis_name), values, 0.0)
+  num_workers, own = _collectives.axis_size(axis_name), own_values(values, axis_name)
   ordered = jnp.sort(indices)
   slot = jnp.searchsorted(ordered, indices).astype(jnp.int32)
 
