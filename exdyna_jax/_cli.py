@@ -127,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "dense stays the per-step baseline) (default: 1, every step)")
   demo.add_argument("--momentum", type=float, default=0.0,
                     help="SGD momentum, applied after aggregation; with error feedback "
-                    "at low density it amplifies stale bursts (default: 0)")
+                    f"at low density it amplifies stale bursts. {TWO_BIT} runs the momentum-SGD "
+                    "recipe instead: each worker's gradient clipped to norm 1, no momentum "
+                    "after the sparsifier, the rate over (1 - momentum) (default: 0)")
   demo.add_argument("--density-warmup", type=_int_at_least(0), default=0, metavar="STEPS",
                     help="a DGC-style density warm-up, STEPS per level: 25 %%, then a "
                     f"quarter per level down to --density (default: 0, none; {TWO_BIT} always "

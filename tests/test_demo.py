@@ -313,6 +313,36 @@ def test_the_2bit_recipe_sends_six_shares_after_a_warmup_and_is_the_lm_tasks_def
   assert all(0 < r["sent_over_k"] <= 1 for r in run.records), run.records
 
 
+def test_under_momentum_sgd_the_2bit_method_runs_the_momentum_sgd_recipe():
+  """docs/usage.md's momentum-SGD recipe: each worker's gradient clipped, the 2-bit sparsifier,
+  no momentum after it and the rate over (1 - momentum); the other methods keep the chain."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+
+  import exdyna_jax
+  from exdyna_jax.demo import recipes
+
+  config = recipes.TrainConfig(steps=10, density=0.5, learning_rate=0.1, momentum=0.9,
+                               warmup_steps=2)
+  sparsifier = exdyna_jax.chunked_topk(6 * config.density / 8, value_bits=2,
+                                       axis_name=recipes.AXIS)
+  recipe = optax.chain(optax.clip_by_global_norm(1.0), sparsifier,
+                       optax.sgd(optax.linear_schedule(0.0, 0.1 / (1 - 0.9), 2)))
+  grads = 10 * jax.random.normal(jax.random.key(0), (8, 3, 64))  # norms above 1: clipped
+
+  def updates(tx):
+    return harness.run_vmap(tx, jnp.ones(64), grads)[0]
+
+  np.testing.assert_allclose(updates(recipes.optimizer_for("chunked_topk_2bit", config, 8)),
+                             updates(recipe), rtol=1e-6)
+  assert np.abs(updates(recipe)[:, 1:]).max() > 0
+  chain = recipes.optimizer_for("exdyna", config, 8)  # the chain --momentum documents
+  state = jax.vmap(chain.init, in_axes=None, axis_name=recipes.AXIS, axis_size=8)(jnp.ones(64))
+  assert optax.tree.get(state, "trace") is not None
+
+
 @pytest.mark.parametrize("method", ["topk_union", "chunked_topk_2bit", "chunked_topk"])
 def test_under_adamw_the_per_step_recipes_run_at_twice_the_peak_rate(method):
   """docs/usage.md's advice: the AdamW recipes, per step, at twice dense's peak."""

@@ -31,7 +31,8 @@ class TrainConfig:
     momentum: SGD momentum (applied after aggregation). Momentum on top of
       error feedback amplifies the stale residual bursts: at density 0.001
       on digits, 0.9 diverges (70 % accuracy after 500 steps) where plain
-      SGD at a higher rate matches dense.
+      SGD at a higher rate matches dense. `TWO_BIT` runs the momentum-SGD
+      recipe instead (`optimizer_for`).
     warmup_steps: linear learning-rate warm-up steps (0: none).
     density_warmup: steps per level of a DGC-style density warm-up
       (`exdyna_jax.dgc_warmup`: 25 %, then a quarter of it per level down to
@@ -182,16 +183,20 @@ def sparsifier_for(method: str, config: TrainConfig,
 
 
 ADAMW_WEIGHT_DECAY, ADAMW_CLIP = 0.01, 1.0
+SGD_RECIPE_CLIP = 1.0
+"""The global norm the momentum-SGD recipe clips each worker's gradient to."""
 
 
 def optimizer_for(method: str, config: TrainConfig,
                   num_workers: int = 1) -> optax.GradientTransformation:
   """The optimizer of ``method`` under ``config``, its sparsifier on local gradients.
 
-  SGD: ``chain(sparsifier, sgd)``. AdamW: ``chain(dense(), clip, adamw)``
-  for ``dense``, ``chain(clip, sparse_adamw(sparsifier, ...))`` for the
-  others. With ``config.sync_every > 1`` every method but ``dense`` runs
-  local steps of the optimizer, the sparsifier exchanging pseudo-gradients.
+  SGD: ``chain(sparsifier, sgd)``; `TWO_BIT` with momentum ``m`` runs the
+  momentum-SGD recipe, ``chain(clip, sparsifier, sgd(lr / (1 - m)))``.
+  AdamW: ``chain(dense(), clip, adamw)`` for ``dense``, ``chain(clip,
+  sparse_adamw(sparsifier, ...))`` for the others. With ``config.sync_every >
+  1`` every method but ``dense`` runs local steps of the optimizer, the
+  sparsifier exchanging pseudo-gradients.
   ``num_workers``: the workers `TOPK_UNION` and `TWO_BIT` share the density among. Under
   AdamW, per step, the peak rate of `RATE_SCALED` is `RECIPE_RATE_SCALE`
   times ``config.learning_rate``.
@@ -212,14 +217,17 @@ def optimizer_for(method: str, config: TrainConfig,
       return optax.chain(sparsifier, adamw)
     return optax.chain(clip, exdyna_jax.sparse_adamw(sparsifier, learning_rate,
                                                      weight_decay=ADAMW_WEIGHT_DECAY))
-  learning_rate: float | optax.Schedule = config.learning_rate
+  recipe = method.lower() == TWO_BIT and config.momentum > 0 and not local
+  momentum = None if recipe else config.momentum or None  # no trace without momentum
+  peak = config.learning_rate / (1 - config.momentum) if recipe else config.learning_rate
+  learning_rate: float | optax.Schedule = peak
   if config.warmup_steps > 0:
-    learning_rate = optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
-  # No trace without momentum: its state would cost a step a pass over N (and, on
-  # XLA:CPU, copies of the largest leaves when the update is ExDyna's).
-  sgd = optax.sgd(learning_rate, momentum=config.momentum or None)
+    learning_rate = optax.linear_schedule(0.0, peak, config.warmup_steps)
+  sgd = optax.sgd(learning_rate, momentum=momentum)
   if local:
     return exdyna_jax.local_steps(sgd, sync_every=config.sync_every, compressor=sparsifier)
+  if recipe:  # the momentum-SGD recipe: clipped first, the residual for the momentum
+    return optax.chain(optax.clip_by_global_norm(SGD_RECIPE_CLIP), sparsifier, sgd)
   return optax.chain(sparsifier, sgd)
 
 
