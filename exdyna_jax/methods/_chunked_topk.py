@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -166,8 +166,6 @@ def chunked_topk(
     values = gathered.values.reshape(-1)
     if per_chunk == length:
       sparse, transmitted = averaged(accumulated, values, axis_name)
-    elif indices.size >= num_elements // SORT_FREE_SHARE:
-      sparse, transmitted = summed_in_buffers(accumulated, indices, values, axis_name)
     else:
       sparse, transmitted = summed(accumulated, indices, values, axis_name)
     new_stats = _stats.unpartitioned_stats(
@@ -287,57 +285,58 @@ def averaged(accumulated: jax.Array, values: jax.Array, axis_name: str
                                 kept=accumulated - own), jnp.int32(num_elements)
 
 
-def own_values(values: jax.Array, axis_name: str) -> jax.Array:
-  """The gathered ``[M]`` values (worker-major) where this worker sent them, zero elsewhere."""
-  per_worker = values.shape[0] // _collectives.axis_size(axis_name)
-  row = jnp.arange(values.shape[0], dtype=jnp.int32) // per_worker
-  return jnp.where(row == jax.lax.axis_index(axis_name), values, 0.0)
-
-
-SORT_FREE_SHARE = 16
-"""`summed_in_buffers` sums the gathered picks where they are at least ``N / 16`` of them."""
-
-
-def summed_in_buffers(accumulated: jax.Array, indices: jax.Array, values: jax.Array,
-                      axis_name: str) -> tuple[_exchange.SparseUpdate, jax.Array]:
-  """`summed` through ``[N]`` buffers, for every index: ``O(N + M)``, no sort.
-
-  The picks' values scattered and added where they belong give the workers'
-  total at each index, this worker's own the same way; what was sent is where
-  any pick landed. For ``M`` picks of the order of ``N`` (a warm-up's first
-  levels), sorting them would cost more than the buffers.
-  """
-  num_workers, num_elements = _collectives.axis_size(axis_name), accumulated.shape[0]
-  own = own_values(values, axis_name)
-
-  def total(x):
-    return jnp.zeros_like(accumulated).at[indices].add(x, mode="drop")
-
-  sent = jnp.zeros(num_elements, bool).at[indices].set(True, mode="drop")
-  return (_exchange.SparseUpdate(jnp.arange(num_elements, dtype=jnp.int32),
-                                 total(values) / num_workers, kept=accumulated - total(own)),
-          jnp.sum(sent, dtype=jnp.int32))
+SORT_FREE_SHARE = 4
+"""`summed` adds the picks up in ``[N]`` buffers where they are at least ``N / 4``, else
+it sorts them."""
 
 
 def summed(accumulated: jax.Array, indices: jax.Array, values: jax.Array, axis_name: str
            ) -> tuple[_exchange.SparseUpdate, jax.Array]:
   """The update at every gathered index (worker-major, ``[M]``), and the count of distinct ones.
 
-  Each of the ``M = n k'`` picks finds its index's first place among the
-  sorted indices, a slot its duplicates share; the values summed into
-  their slots give each index the workers' total there, over ``n`` (so
-  duplicates carry the same value). This worker keeps ``a`` less its own
-  sent value there: all of ``a`` where it sent nothing, the rounding of
-  its value where it did. One sort of the ``M`` indices alone and a
-  binary search: ``O(M log M)``, no ``[N]`` buffer.
+  The values summed where the ``M = n k'`` picks share an index give each
+  index the workers' total there, over ``n`` (so duplicates carry the same
+  value). This worker keeps ``a`` less its own sent value there: all of
+  ``a`` where it sent nothing, the rounding of its value where it did.
+  The update holds ``M`` pairs either way, so the residual is written in
+  place.
   """
-  num_workers, own = _collectives.axis_size(axis_name), own_values(values, axis_name)
+  num_workers, num_elements = _collectives.axis_size(axis_name), accumulated.shape[0]
+  row = jnp.arange(indices.shape[0], dtype=jnp.int32) // (indices.shape[0] // num_workers)
+  own = jnp.where(row == jax.lax.axis_index(axis_name), values, 0.0)
+  sums = buffered_sums if indices.size >= num_elements // SORT_FREE_SHARE else sorted_sums
+  sum_at_picks, distinct = sums(indices, num_elements)
+  kept = accumulated.at[indices].get(mode="fill", fill_value=0) - sum_at_picks(own)
+  return _exchange.SparseUpdate(indices, sum_at_picks(values) / num_workers, kept=kept), distinct
+
+
+def sorted_sums(indices: jax.Array, num_elements: int
+                ) -> tuple[Callable[[jax.Array], jax.Array], jax.Array]:
+  """Sums over the picks of each index, through one sort of them: ``O(M log M)``, no ``[N]``.
+
+  Each pick finds its index's first place among the sorted indices, a slot
+  its duplicates share. Returns the summing function (``[M] -> [M]``, each
+  pick its index's total) and the count of distinct indices below ``N``.
+  """
   ordered = jnp.sort(indices)
   slot = jnp.searchsorted(ordered, indices).astype(jnp.int32)
 
-  def slot_sum(x):
+  def sum_at_picks(x):
     return jnp.zeros_like(x).at[slot].add(x)[slot]
 
-  kept = accumulated.at[indices].get(mode="fill", fill_value=0) - slot_sum(own)
-  return (_exchange.SparseUpdate(indices, slot_sum(values) / num_workers, kept=kept),
-          _exchange.distinct_in_sorted(ordered, accumulated.shape[0]))
+  return sum_at_picks, _exchange.distinct_in_sorted(ordered, num_elements)
+
+
+def buffered_sums(indices: jax.Array, num_elements: int
+                  ) -> tuple[Callable[[jax.Array], jax.Array], jax.Array]:
+  """`sorted_sums` through ``[N]`` buffers: ``O(N + M)``, no sort.
+
+  Cheaper where the picks are of the order of ``N`` (a density warm-up's
+  first levels); the sentinel ``N`` is dropped and reads zero.
+  """
+  def sum_at_picks(x):
+    totals = jnp.zeros(num_elements, x.dtype).at[indices].add(x, mode="drop")
+    return totals.at[indices].get(mode="fill", fill_value=0)
+
+  sent = jnp.zeros(num_elements, bool).at[indices].set(True, mode="drop")
+  return sum_at_picks, jnp.sum(sent, dtype=jnp.int32)
