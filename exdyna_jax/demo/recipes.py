@@ -218,7 +218,9 @@ def optimizer_for(method: str, config: TrainConfig,
     return optax.chain(clip, exdyna_jax.sparse_adamw(sparsifier, learning_rate,
                                                      weight_decay=ADAMW_WEIGHT_DECAY))
   recipe = method.lower() == TWO_BIT and config.momentum > 0 and not local
-  momentum = None if recipe else config.momentum or None  # no trace without momentum
+  # No trace without momentum, nor in the recipe: its state would cost a step a pass over N
+  # (and, on XLA:CPU, copies of the largest leaves when the update is ExDyna's).
+  momentum = None if recipe else config.momentum or None
   peak = config.learning_rate / (1 - config.momentum) if recipe else config.learning_rate
   learning_rate: float | optax.Schedule = peak
   if config.warmup_steps > 0:
