@@ -68,6 +68,7 @@ from jax.flatten_util import ravel_pytree
 import exdyna_jax
 from benchmarks import _common
 from exdyna_jax.demo.language_model import language_model_task
+from exdyna_jax.demo.recipes import TWO_BIT_WARMUP_START
 from exdyna_jax.demo.trainer import Task
 
 DEFAULT_VARIANTS = (
@@ -137,7 +138,8 @@ def density_of(spec: str) -> float | dict[int, float]:
   density, _, steps_per_level = spec.partition("w")
   if not steps_per_level:
     return float(density)
-  return exdyna_jax.dgc_warmup(float(density), steps_per_level=int(steps_per_level), start=0.125)
+  return exdyna_jax.dgc_warmup(float(density), steps_per_level=int(steps_per_level),
+                              start=TWO_BIT_WARMUP_START)
 
 
 def parse_variant(spec: str, default_steps: int) -> tuple[str, list[str], int, float]:
