@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -261,6 +262,26 @@ def test_workers_reuse_the_memory_a_step_frees():
   reused = {tunables: sum(count < 1_000 for count in counts) for tunables, counts in faults.items()}
   assert reused[None] >= 4, faults  # at least a quarter of the 15 executions
   assert reused[""] == 0, faults  # glibc's defaults: every execution faults anew
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
+@pytest.mark.parametrize("processes", [1, 3])  # fewer or more processes than two CPUs
+def test_pinned_processes_keep_to_their_share_of_the_cpus(processes):
+  """Each process's threads run on its own CPUs: equal parts of the launcher's, or one each
+  in turn where the processes outnumber them; the variable that says so does not leak."""
+  cpus = sorted(os.sched_getaffinity(0))[:2]
+  command = [sys.executable, "-c", "import os; print('cpus', sorted(os.sched_getaffinity(0)), "
+             "os.environ.get('EXDYNA_CPUS'), os.environ['EXDYNA_PROCESS_ID'])"]
+  output = io.StringIO()
+  with mock.patch("os.sched_getaffinity", return_value=set(cpus)):
+    code = launch.launch(command, processes=processes, pin_cpus=True, stdout=output,
+                         stderr=output)
+  assert code == 0, output.getvalue()
+  seen = {int(line.split()[-1]): line.split("cpus ")[1].rsplit(" ", 2)[0]
+          for line in output.getvalue().splitlines() if " cpus " in line}
+  expected = {1: [cpus], 3: [[cpus[0]], [cpus[1 % len(cpus)]], [cpus[0]]]}[processes]
+  assert seen == {rank: str(share) for rank, share in enumerate(expected)}, output.getvalue()
+  assert "None" in output.getvalue() and "EXDYNA_CPUS" not in output.getvalue()
 
 
 def test_launcher_timeout_kills_everything():

@@ -161,10 +161,13 @@ def cut_or_pad(state, target):
   return jax.tree.map(fit, state, target)
 
 
-@pytest.mark.parametrize("name", exdyna_jax.available_sparsifiers())
-@pytest.mark.parametrize(("saved", "restored"), [(8, 4), (4, 8)])
+@pytest.mark.parametrize(
+    ("name", "saved", "restored"),
+    [(name, 8, 4) for name in exdyna_jax.available_sparsifiers()] + [("exdyna", 4, 8)])
 def test_a_worker_axis_cut_or_padded_to_fit_is_refused(name, saved, restored):
-  """The shapes fit, the recorded worker count does not: the step stops and names the fix."""
+  """The shapes fit, the recorded worker count does not: the step stops and names the fix.
+
+  Every method's state cut to fewer workers; one padded to more (the shell's check)."""
   tx = make_tx(name)
 
   def init(workers):

@@ -65,7 +65,12 @@ class WorkerRecords(io.TextIOBase):
 def run_workers(command: Sequence[str], *, processes: int, link_rate: str | None,
                 devices_per_process: int = 1, timeout: float = DEFAULT_TIMEOUT,
                 echo: TextIO | None = None) -> list[dict[str, Any]]:
-  """Runs ``command`` as ``processes`` JAX processes; rank 0's JSON records.
+  """Runs ``command`` as ``processes`` JAX processes on their shares of the CPUs: rank 0's records.
+
+  Each process keeps to its own CPUs (`launch.launch`'s ``pin_cpus``), as a
+  worker on a machine of its own would: unpinned, processes that outnumber
+  the cores starve one another for up to seconds at a time, and the others
+  wait for them at their next collective.
 
   Args:
     command: the worker's command line.
@@ -87,7 +92,7 @@ def run_workers(command: Sequence[str], *, processes: int, link_rate: str | None
   sink = WorkerRecords(echo)
   code = launch.launch(list(command), processes=processes,
                        devices_per_process=devices_per_process, timeout=timeout,
-                       link_rates=link_rate, stdout=sink, stderr=echo)
+                       link_rates=link_rate, stdout=sink, stderr=echo, pin_cpus=True)
   if code:
     raise RuntimeError(f"the workers failed (exit code {code}): {processes} processes, "
                        f"links {link_rate or 'loopback'}")

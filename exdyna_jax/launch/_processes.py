@@ -4,7 +4,8 @@ Every process the launcher starts runs a short bootstrap first (a fresh,
 single-threaded interpreter): it asks Linux to SIGKILL it when the launcher
 dies (``PR_SET_PDEATHSIG``, on Linux; workers lead their own sessions, so killing the
 launcher's process group, as a test's hard timeout does, would not reach
-them otherwise), then becomes the worker's command. A process that gets a
+them otherwise), keeps to the CPUs `CPUS_ENV` names if it is set (every
+thread the command starts inherits them), then becomes the worker's command. A process that gets a
 network of its own (`_shaped_links`) first enters new network and UTS
 namespaces, takes its host name, tells the launcher, and waits until the
 launcher has wired its link. (A ``preexec_fn`` would do the same before
@@ -24,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 SETUP_TIMEOUT = 30.0  # seconds for a new process to enter its namespaces
 TIMEOUT_EXIT_CODE = 124
+CPUS_ENV = "EXDYNA_CPUS"  # the CPUs a process keeps to, comma-separated; read by the bootstrap
 
 # argv: launcher pid, then (fd to say "ready", fd to wait on, host name) or
 # three empty strings, then the command.
@@ -34,6 +36,8 @@ if sys.platform.startswith("linux"):
   libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
   if os.getppid() != int(sys.argv[1]):  # the launcher died before prctl
     sys.exit(137)
+if cpus := os.environ.pop("EXDYNA_CPUS", ""):
+  os.sched_setaffinity(0, [int(cpu) for cpu in cpus.split(",")])
 if sys.argv[4]:  # Linux only
   ready, wired, name = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].encode()
   if libc.unshare(0x40000000 | 0x04000000) or libc.sethostname(name, len(name)):  # NET, UTS
@@ -46,6 +50,19 @@ if sys.argv[4]:  # Linux only
   os.close(wired)
 os.execvp(sys.argv[5], sys.argv[5:])
 """
+
+
+def cpu_shares(processes: int, cpus: Sequence[int]) -> list[list[int]]:
+  """Each process's share of ``cpus``: equal contiguous parts, or one each in turn if fewer.
+
+  Example:
+    >>> cpu_shares(2, [0, 1, 2, 3]), cpu_shares(4, [0, 1])
+    ([[0, 1], [2, 3]], [[0], [1], [0], [1]])
+  """
+  if processes > len(cpus):
+    return [[cpus[rank % len(cpus)]] for rank in range(processes)]
+  return [list(cpus[rank * len(cpus) // processes:(rank + 1) * len(cpus) // processes])
+          for rank in range(processes)]
 
 
 def start(command: Sequence[str], **popen_kwargs) -> subprocess.Popen:
