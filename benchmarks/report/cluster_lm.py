@@ -79,13 +79,15 @@ def cluster_lm_section(rep, data: dict[str, Any] | None, table,
   rep.add(
       f"`python -m benchmarks.cluster_lm` (task `{data['task']}`, the 0.42M byte-level "
       "transformer, AdamW; 4 processes of one CPU device each, every one behind its own "
-      "shaped link, all on this machine's cores). Each row group is one demo run: dense "
+      "shaped link, each pinned to its share of this machine's cores). Each row group is "
+      "one demo run: dense "
       "trains 200 steps, each other method as many seconds, its learning-rate schedule "
       "over the steps it timed to fit them; 'test loss' is at the end of those seconds, "
       "'s to dense's' when it first reached dense's final test loss (the mean of its last "
       "three evaluations in its last tenth of steps), 'sooner' dense's time over it; "
-      "'step ms' the median step (of local steps, one without a sync: with the syncs and "
-      "the four processes' contention for two cores their mean is about twice it). "
+      "'step ms' the median step (of local steps, one without a sync; in runs from before "
+      "the processes were pinned, 2026-12-07 21:00 UTC, four processes starved one another "
+      "on two cores and local steps' mean was about twice it). "
       "Density: indices sent / N at each evaluation; bytes: per worker, the run's mean "
       f"per step. Each run: `{command}` and the recipe's arguments ({commands}).\n\n"
       + table(header, [row for invocation in invocations for row in _rows(invocation)]))

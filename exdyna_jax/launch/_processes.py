@@ -5,11 +5,12 @@ single-threaded interpreter): it asks Linux to SIGKILL it when the launcher
 dies (``PR_SET_PDEATHSIG``, on Linux; workers lead their own sessions, so killing the
 launcher's process group, as a test's hard timeout does, would not reach
 them otherwise), keeps to the CPUs `CPUS_ENV` names if it is set (every
-thread the command starts inherits them), then becomes the worker's command. A process that gets a
-network of its own (`_shaped_links`) first enters new network and UTS
-namespaces, takes its host name, tells the launcher, and waits until the
-launcher has wired its link. (A ``preexec_fn`` would do the same before
-exec, but is unsafe in a multithreaded parent.)
+thread the command starts inherits them), then becomes the worker's
+command. A process that gets a network of its own (`_shaped_links`) first
+enters new network and UTS namespaces, takes its host name, tells the
+launcher, and waits until the launcher has wired its link. (A
+``preexec_fn`` would do the same before exec, but is unsafe in a
+multithreaded parent.)
 """
 
 from __future__ import annotations
