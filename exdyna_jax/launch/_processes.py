@@ -30,14 +30,14 @@ CPUS_ENV = "EXDYNA_CPUS"  # the CPUs a process keeps to, comma-separated; read b
 
 # argv: launcher pid, then (fd to say "ready", fd to wait on, host name) or
 # three empty strings, then the command.
-_BOOTSTRAP = """
+_BOOTSTRAP = f"""
 import ctypes, os, signal, sys
 libc = ctypes.CDLL(None, use_errno=True)
 if sys.platform.startswith("linux"):
   libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
   if os.getppid() != int(sys.argv[1]):  # the launcher died before prctl
     sys.exit(137)
-if cpus := os.environ.pop("EXDYNA_CPUS", ""):
+if cpus := os.environ.pop({CPUS_ENV!r}, ""):
   os.sched_setaffinity(0, [int(cpu) for cpu in cpus.split(",")])
 if sys.argv[4]:  # Linux only
   ready, wired, name = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].encode()
