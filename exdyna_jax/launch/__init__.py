@@ -199,9 +199,13 @@ def launch(
       }
   )
   shares = _processes.cpu_shares(processes, sorted(os.sched_getaffinity(0))) if pin_cpus else None
-  env_of = lambda rank: {  # noqa: E731
-      **base, PROCESS_ID_ENV: str(rank),
-      **({_processes.CPUS_ENV: ",".join(map(str, shares[rank]))} if shares else {})}
+
+  def env_of(rank: int) -> dict[str, str]:
+    env = {**base, PROCESS_ID_ENV: str(rank)}
+    if shares:
+      env[_processes.CPUS_ENV] = ",".join(map(str, shares[rank]))
+    return env
+
   pipes = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   workers: list[subprocess.Popen] = []
   threads: list[threading.Thread] = []
