@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -311,6 +312,22 @@ def test_the_2bit_recipe_sends_six_shares_after_a_warmup_and_is_the_lm_tasks_def
   assert [r["target"] for r in run.records] == [
       workers * int(level * run.num_elements) for level in levels]
   assert all(0 < r["sent_over_k"] <= 1 for r in run.records), run.records
+
+
+def test_the_cluster_plans_a_run_from_the_steps_after_the_density_warmup():
+  """The cluster times a variant's step once its warm-up is over (`recipes.warmup_steps`): the
+  first step of its last level, which under local steps counts syncs."""
+  from exdyna_jax.demo import recipes
+
+  config = recipes.TrainConfig(density=0.01)
+  assert recipes.warmup_steps("chunked_topk_2bit", config, 8) == 30  # {..., 30: 0.0075}
+  assert recipes.warmup_steps("chunked_topk_2bit", config, 4) == 20  # 0.0078 < 0.015: no 30
+  assert recipes.warmup_steps("exdyna", config, 8) == 0
+  warmed = dataclasses.replace(config, density_warmup=25)  # 25 %, 6.25 %, 1.6 %, then 1 %
+  assert recipes.warmup_steps("exdyna", warmed, 8) == 75
+  assert recipes.warmup_steps("dense", warmed, 8) == 0
+  local = dataclasses.replace(warmed, sync_every=10)
+  assert recipes.warmup_steps("exdyna", local, 8) == 750
 
 
 def test_under_momentum_sgd_the_2bit_method_runs_the_momentum_sgd_recipe():

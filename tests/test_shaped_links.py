@@ -203,7 +203,7 @@ def test_the_demo_on_shaped_links_times_each_method_to_denses_accuracy(tmp_path)
   assert (dense["variant"], exdyna["variant"], saved["link_rate"]) == ("dense", "exdyna", "1gbit")
   assert dense["steps"] == 10 and [point[1] for point in dense["curve"]] == [5, 10]
   # ExDyna trains for dense's seconds, so its last evaluation comes at or after them,
-  # its schedule planned over the steps it timed to fit them (dense's at least).
+  # its schedule planned over the steps that fit them (dense's at least).
   assert exdyna["curve"][-1][0] >= dense["seconds"] > 0
   assert dense["planned_steps"] == 10 <= exdyna["planned_steps"]
   assert exdyna["bytes_sent"] * 20 < dense["bytes_sent"]

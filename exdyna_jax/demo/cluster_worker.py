@@ -37,7 +37,13 @@ from jax.experimental import multihost_utils
 import exdyna_jax
 from exdyna_jax import launch
 from exdyna_jax.demo import tasks
-from exdyna_jax.demo.recipes import AXIS, TrainConfig, optimizer_for, with_measured_network
+from exdyna_jax.demo.recipes import (
+    AXIS,
+    TrainConfig,
+    optimizer_for,
+    warmup_steps,
+    with_measured_network,
+)
 from exdyna_jax.demo.trainer import Task, make_mesh
 
 DEFAULT_DENSITY_WARMUP = 25
@@ -75,9 +81,10 @@ def compiled_step(method: str, task: Task, config: TrainConfig, mesh: jax.shardi
                   params: Any, probe_batches: Callable[[], Any]):
   """``(dp, train_step, step_seconds)``: ``method``'s donated step, compiled, and timed.
 
-  Off the clock: the step runs `PROBE_STEPS` + 1 times on copies of
-  ``params`` and a fresh state, thrown away (the first run compiles it);
-  ``step_seconds`` is the median of the rest.
+  Off the clock, on copies of ``params`` and a fresh state, thrown away: the
+  step runs through ``method``'s density warm-up (`recipes.warmup_steps`;
+  the first run compiles it), then `PROBE_STEPS` times more; ``step_seconds``
+  is the median of those, what most of the run's steps take.
   """
   tx = optimizer_for(method, config, mesh.size)
   dp = exdyna_jax.data_parallel(tx, mesh, axis_name=AXIS)
@@ -89,12 +96,13 @@ def compiled_step(method: str, task: Task, config: TrainConfig, mesh: jax.shardi
     return optax.apply_updates(params, updates), opt_state
 
   copies = (jax.tree.map(jnp.copy, params), dp.init(params))
+  first_timed = max(warmup_steps(method, config, mesh.size), 1)
   seconds = []
-  for _ in range(PROBE_STEPS + 1):
+  for _ in range(first_timed + PROBE_STEPS):
     start = time.perf_counter()
     copies = jax.block_until_ready(train_step(*copies, probe_batches()))
     seconds.append(time.perf_counter() - start)
-  return dp, train_step, float(np.median(seconds[1:]))
+  return dp, train_step, float(np.median(seconds[first_timed:]))
 
 
 def train_timed(variant: str, task: Task, config: TrainConfig, mesh: jax.sharding.Mesh, *,
@@ -102,8 +110,8 @@ def train_timed(variant: str, task: Task, config: TrainConfig, mesh: jax.shardin
   """Trains ``config.steps`` steps (``budget`` None) or ``budget`` seconds; its curve.
 
   Under a budget the learning-rate schedule spans the steps that fit it, as
-  a user given those seconds would set it: ``budget`` over the step's
-  timed seconds (at least ``config.steps``).
+  a user given those seconds would set it: ``budget`` over the seconds of a
+  step after the density warm-up (at least ``config.steps``).
   """
   method, config = variant_config(variant, config)
   replicated = jax.sharding.NamedSharding(mesh, jax.P())

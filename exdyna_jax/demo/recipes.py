@@ -155,6 +155,16 @@ def two_bit_density(config: TrainConfig, num_workers: int) -> float | dict[int, 
   return exdyna_jax.dgc_warmup(share, steps_per_level=steps, start=TWO_BIT_WARMUP_START)
 
 
+def warmup_steps(method: str, config: TrainConfig, num_workers: int = 1) -> int:
+  """The steps ``method`` (a name of `demo_methods`) takes before its last density level:
+  its density warm-up (0 without one); under local steps the compressor's levels count syncs."""
+  if method.lower() == "dense":
+    return 0
+  density = (two_bit_density(config, num_workers) if method.lower() == TWO_BIT
+             else density_of(config))
+  return max(density) * config.sync_every if isinstance(density, dict) else 0
+
+
 def sparsifier_for(method: str, config: TrainConfig,
                    num_workers: int = 1) -> optax.GradientTransformationExtraArgs:
   """The sparsifier of ``method`` (a name of `demo_methods`) under ``config``.
