@@ -6,10 +6,10 @@ each in a network namespace of its own behind a link shaped to 1 Gb/s both
 ways. Dense trains ``config.steps`` steps; every other method trains for as
 many wall-clock seconds, its learning-rate schedule spanning the steps that
 fit them at the step time it measured after its density warm-up (as a user
-given those seconds would set it). The table
-says when each method first reached dense's final score (test accuracy;
-test loss for the ``lm`` tasks), beside the density it sent and its bytes;
-the plot draws the score against seconds.
+given those seconds would set it). The table says when each method first
+reached dense's final score (test accuracy; test loss for the ``lm``
+tasks), beside the density it sent and its bytes; the plot draws the score
+against seconds.
 
 From Python (as root, or in an unprivileged user namespace)::
 
