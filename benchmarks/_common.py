@@ -128,6 +128,11 @@ def _git(*args: str) -> str:
     return ""
 
 
+def utc_now() -> str:
+  """This moment in UTC, to the second (ISO 8601)."""
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def machine_info() -> dict[str, Any]:
   """The machine, the load and the versions this result was measured with."""
   import jax
@@ -154,7 +159,7 @@ def machine_info() -> dict[str, Any]:
     pass
   dirty = _git("status", "--porcelain", "--", "exdyna_jax")
   return {
-    "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "date_utc": utc_now(),
     "hostname": platform.node(),
     "cpu": cpu,
     "cores": os.cpu_count(),

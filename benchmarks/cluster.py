@@ -162,6 +162,11 @@ def summarize(runs: dict) -> dict:
   return out
 
 
+PART_KEYS = {"steps": "runs", "targets": "targets", "hierarchical": "hierarchical",
+             "accuracy": "time_to_accuracy"}
+"""Each part of ``--parts`` that runs, and the key of ``cluster.json`` it writes."""
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--workers", default=",".join(map(str, WORKERS)))
@@ -182,8 +187,12 @@ def main() -> None:
     args.workers, args.rates, args.variants, args.steps = "2", "1gbit", "compute,dense,exdyna", 3
   parts = args.parts.split(",")
   out = pathlib.Path(args.out)
-  result = {key: value for key, value in json.loads(out.read_text()).items() if key != "machine"
-            } if out.exists() else {}
+  earlier = json.loads(out.read_text()) if out.exists() else {}
+  result = {key: value for key, value in earlier.items() if key not in ("machine", "dates")}
+  # When each part kept from an earlier run was run (the machine info is this run's).
+  dates = earlier.get("dates") or {part: earlier["machine"]["date_utc"]
+                                   for part, key in PART_KEYS.items() if key in earlier}
+  dates.update(dict.fromkeys(set(parts) & set(PART_KEYS), _common.utc_now()))
   if "steps" in parts:
     runs = step_grid(args)
     result.update(runs={str(k): v for k, v in runs.items()}, summary=summarize(runs))
@@ -204,7 +213,7 @@ def main() -> None:
                                   link_rate=rate, timeout=args.timeout)
         for rate in (ACCURACY_RATES[:1] if args.quick else ACCURACY_RATES)
     }
-  _common.write_json(out, result)
+  _common.write_json(out, {**result, "dates": dates})
 
 
 def step_grid(args) -> dict:

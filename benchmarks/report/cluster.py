@@ -113,6 +113,12 @@ def _accuracy_tables(rep, accuracy: dict, table) -> list[str]:
   return parts
 
 
+def _run_on(cluster: dict[str, Any], part: str) -> str:
+  """`` (run on DATE)`` for a part of ``cluster.json`` that records when it ran, else ''."""
+  date = cluster.get("dates", {}).get(part)
+  return f" (run on {date[:16].replace('T', ' ')} UTC)" if date else ""
+
+
 def cluster_section(rep, cluster: dict[str, Any] | None, table) -> None:
   """Adds the emulated-cluster section and its targets to ``rep``."""
   if not cluster:
@@ -123,17 +129,17 @@ def cluster_section(rep, cluster: dict[str, Any] | None, table) -> None:
   parts = [
       "## Emulated cluster: the train step over shaped links",
       "",
-      "`python -m benchmarks.cluster` (as root): worker processes, each in a network "
-      "namespace of its own behind a link shaped both ways (`python -m exdyna_jax.launch "
-      "--link-rate`), time the donated `data_parallel(...).step` of a 4.7M-parameter MLP "
-      "(256-2048-2048-10, 32 examples per worker, d = 0.001). Step: mean wall-clock ms over "
-      "the timed steps. The same step in one process on n CPU devices (collectives next "
-      "to free) splits it: compute (no exchange at all), the sparsifier's own work, and "
-      "the exchange (cluster minus local; negative where the processes ran the step "
-      "faster than the devices of one process did). All processes share this "
-      "machine's cores. 'Faster than dense below': the link rate above which dense's "
-      "step, `a + b / rate` through the two slowest links, is shorter than the "
-      "method's (its mean over the links).",
+      f"`python -m benchmarks.cluster`{_run_on(cluster, 'steps')} (as root): worker "
+      "processes, each in a network namespace of its own behind a link shaped both ways "
+      "(`python -m exdyna_jax.launch --link-rate`), time the donated "
+      "`data_parallel(...).step` of a 4.7M-parameter MLP (256-2048-2048-10, 32 examples per"
+      " worker, d = 0.001). Step: mean wall-clock ms over the timed steps. The same step in"
+      " one process on n CPU devices (collectives next to free) splits it: compute (no "
+      "exchange at all), the sparsifier's own work, and the exchange (cluster minus local; "
+      "negative where the processes ran the step faster than the devices of one process "
+      "did). All processes share this machine's cores. 'Faster than dense below': the link "
+      "rate above which dense's step, `a + b / rate` through the two slowest links, is "
+      "shorter than the method's (its mean over the links).",
       "",
       _step_table(summary, table),
       "",
@@ -143,7 +149,8 @@ def cluster_section(rep, cluster: dict[str, Any] | None, table) -> None:
   targets = cluster.get("targets")
   if targets:
     steps = len(next(r for r in next(iter(targets.values())) if "variant" in r)["step_ms"])
-    parts += [f"**The targets' point** (`--parts targets`): n = {TARGET_WORKERS}, each method "
+    parts += [f"**The targets' point** (`--parts targets`{_run_on(cluster, 'targets')}): "
+              f"n = {TARGET_WORKERS}, each method "
               "timed in every repeat, the repeats interleaved in one launch per link (mean ms a "
               f"step over {steps} steps each); the targets below read these means.", "",
               _repeats_table(targets, table), ""]
@@ -156,7 +163,8 @@ def cluster_section(rep, cluster: dict[str, Any] | None, table) -> None:
               _breakdown_table(rows_of, TARGET_RATE, table), ""]
   if cluster.get("hierarchical"):
     parts += ["### Two devices per process", "",
-              "`python -m benchmarks.cluster --parts hierarchical`: 4 processes of 2 CPU "
+              f"`python -m benchmarks.cluster --parts hierarchical`"
+              f"{_run_on(cluster, 'hierarchical')}: 4 processes of 2 CPU "
               "devices each (8 workers; every process shares the same 2 cores). Dense and "
               "ExDyna run over all 8 devices; hierarchical runs ExDyna across the 4 processes "
               "only, `hierarchical(exdyna(0.001, axis_name=\"node\"), fast_axis=\"local\")` "
@@ -168,7 +176,8 @@ def cluster_section(rep, cluster: dict[str, Any] | None, table) -> None:
     config = cluster.get("time_to_accuracy_config", {})
     told = _told_network(config.get("network"), accuracy)
     parts += ["### Time to accuracy", "",
-              f"`python -m benchmarks.cluster --parts accuracy`: {told}Config: `{config}`."
+              f"`python -m benchmarks.cluster --parts accuracy`{_run_on(cluster, 'accuracy')}: "
+              f"{told}Config: `{config}`."
               if config else "", "", *_accuracy_tables(rep, accuracy, table)]
   rep.add("\n".join(parts))
   _targets(rep, steps, rows_of, accuracy)
