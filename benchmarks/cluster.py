@@ -189,7 +189,7 @@ def main() -> None:
   out = pathlib.Path(args.out)
   earlier = json.loads(out.read_text()) if out.exists() else {}
   result = {key: value for key, value in earlier.items() if key not in ("machine", "dates")}
-  # When each part kept from an earlier run was run (the machine info is this run's).
+  # When each part ran: one kept from an earlier run keeps its date ("machine" is this run's).
   dates = earlier.get("dates") or {part: earlier["machine"]["date_utc"]
                                    for part, key in PART_KEYS.items() if key in earlier}
   dates.update(dict.fromkeys(set(parts) & set(PART_KEYS), _common.utc_now()))
