@@ -155,13 +155,20 @@ def two_bit_density(config: TrainConfig, num_workers: int) -> float | dict[int, 
   return exdyna_jax.dgc_warmup(share, steps_per_level=steps, start=TWO_BIT_WARMUP_START)
 
 
+def density_for(method: str, config: TrainConfig, num_workers: int = 1) -> float | dict[int, float]:
+  """The ``density`` (a number or a schedule) ``method``'s sparsifier is built with: `TWO_BIT`'s
+  own (`two_bit_density`), any other's `density_of` (`TOPK_UNION` shares it out)."""
+  if method.lower() == TWO_BIT:
+    return two_bit_density(config, num_workers)
+  return density_of(config)
+
+
 def warmup_steps(method: str, config: TrainConfig, num_workers: int = 1) -> int:
   """The steps ``method`` (a name of `demo_methods`) takes before its last density level:
   its density warm-up (0 without one); under local steps the compressor's levels count syncs."""
   if method.lower() == "dense":
     return 0
-  density = (two_bit_density(config, num_workers) if method.lower() == TWO_BIT
-             else density_of(config))
+  density = density_for(method, config, num_workers)
   return max(density) * config.sync_every if isinstance(density, dict) else 0
 
 
@@ -173,7 +180,7 @@ def sparsifier_for(method: str, config: TrainConfig,
   ``config.value_bits`` and ``config.wire`` to ``chunked_topk`` only;
   ``num_workers`` shares the density out for `TOPK_UNION` and `TWO_BIT`.
   """
-  name, density = method.lower(), density_of(config)
+  name, density = method.lower(), density_for(method, config, num_workers)
   if name == "dense":
     return exdyna_jax.get_sparsifier("dense", axis_name=AXIS)
   options = {} if config.value_dtype == "float32" else {"value_dtype": config.value_dtype}
@@ -181,8 +188,7 @@ def sparsifier_for(method: str, config: TrainConfig,
     return exdyna_jax.topk(per_worker(density, num_workers), exact=False, axis_name=AXIS,
                            **options)
   if name == TWO_BIT:
-    return exdyna_jax.chunked_topk(two_bit_density(config, num_workers), value_bits=2,
-                                   axis_name=AXIS, **options)
+    return exdyna_jax.chunked_topk(density, value_bits=2, axis_name=AXIS, **options)
   if name == "exdyna" and config.network is not None:
     options["network"] = exdyna_jax.Network(*map(float, config.network))
   if name == "chunked_topk":
